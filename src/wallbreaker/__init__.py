@@ -1,0 +1,1 @@
+"""wallbreaker: an LLM inference engine on PyTorch."""

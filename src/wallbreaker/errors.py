@@ -1,0 +1,21 @@
+"""Typed errors: every user mistake surfaces as one of these, with a one-line message."""
+
+
+class WallbreakerError(Exception):
+    """Base of every error wallbreaker raises on purpose."""
+
+
+class ModelNotFoundError(WallbreakerError):
+    """The model path does not exist, or the default model's package is not installed."""
+
+
+class ModelFormatError(WallbreakerError):
+    """A model file is truncated, corrupted, or not what its header says."""
+
+
+class UnsupportedModelError(WallbreakerError):
+    """The file is well formed but uses an architecture or tensor type we do not run."""
+
+
+class InvalidRequestError(WallbreakerError, ValueError):
+    """A request the engine cannot serve: bad sampling parameters, empty or too-long prompt."""
