@@ -1,1 +1,14 @@
-"""wallbreaker: an LLM inference engine on PyTorch."""
+"""wallbreaker: an LLM inference engine on PyTorch.
+
+    from wallbreaker import LLM, SamplingParams
+    llm = LLM()                      # the embedded default, SmolLM2-135M-Instruct
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=32))
+"""
+from .engine.llm import LLM, EngineConfig
+from .engine.outputs import CompletionOutput, RequestOutput
+from .errors import (InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError,
+                     WallbreakerError)
+from .sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "WallbreakerError",
+           "ModelNotFoundError", "ModelFormatError", "UnsupportedModelError", "InvalidRequestError"]

@@ -1,0 +1,12 @@
+"""Architectures, built from `layers/`. `build_model` picks one from the config."""
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .gemma3 import Gemma3CausalLM
+from .llama import CausalLM, WeightGetter
+
+_ARCHITECTURES: dict[str, type[CausalLM]] = {"llama": CausalLM, "qwen2": CausalLM, "gemma3": Gemma3CausalLM}
+
+
+def build_model(config: ModelConfig, get: WeightGetter) -> CausalLM:
+    return _ARCHITECTURES[config.architecture](config, get).eval()

@@ -1,0 +1,152 @@
+"""The `wallbreaker` command. Every engine option of `LLM(...)` is a flag of the verbs that run the engine."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Callable
+
+from .errors import WallbreakerError
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def command(name: str):
+    def register(fn):
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    from .engine.llm import EngineConfig
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "model":
+            p.add_argument("--model", "-m", default=None,
+                           help="a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2)")
+        elif f.type in ("bool", bool):
+            p.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction)
+        else:
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            p.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    from .engine.llm import EngineConfig
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace):
+    from .sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop)
+
+
+def load_llm(args: argparse.Namespace):
+    from .engine.llm import LLM
+    return LLM(args.model, **engine_options(args))
+
+
+@command("generate")
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = load_llm(args)
+    params = sampling_params(args)
+    outputs = llm.generate(args.prompts, params)
+    for out in outputs:
+        completion = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": completion.text, "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason, "metrics": out.metrics}))
+        else:
+            print(out.prompt + completion.text)
+            m = out.metrics
+            print(f"[{m['num_prompt_tokens']} prompt tokens, {m['num_generated_tokens']} generated; "
+                  f"TTFT {m.get('ttft_s', 0) * 1000:.0f} ms, decode {m.get('decode_tokens_per_s', 0):.1f} tokens/s; "
+                  f"model loaded in {llm.load_time_s:.1f} s]", file=sys.stderr)
+    return 0
+
+
+@command("chat")
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = load_llm(args)
+    params = sampling_params(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            user = input("> " if interactive else "")
+        except EOFError:
+            return 0
+        if not user.strip():
+            continue
+        if user.strip() in ("/exit", "/quit"):
+            return 0
+        messages.append({"role": "user", "content": user})
+        reply = []
+        for delta in llm.stream_chat(messages, params):
+            print(delta.text, end="", flush=True)
+            reply.append(delta.text)
+        print()
+        m = llm.last_output.metrics
+        print(f"[{m['num_generated_tokens']} tokens, {m.get('decode_tokens_per_s', 0):.1f} tokens/s]",
+              file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+@command("inspect")
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspect import describe
+    print(describe(args.model_path, json_output=args.json))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wallbreaker", description="LLM inference at the memory wall.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete prompts")
+    add_engine_flags(p)
+    add_sampling_flags(p, max_tokens=64)
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("prompts", nargs="+")
+
+    p = sub.add_parser("chat", help="interactive chat, tokens streamed as they come")
+    add_engine_flags(p)
+    add_sampling_flags(p, max_tokens=512)
+    p.add_argument("--system", default=None, help="a system message")
+
+    p = sub.add_parser("inspect", help="architecture, tensors, formats, bytes per token")
+    p.add_argument("model_path", nargs="?", default=None)
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except WallbreakerError as e:
+        print(f"wallbreaker: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""`LLM`: the Python front door, shaped like vLLM's. Loads a model, builds the engine, runs batches."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence as Seq
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..formats import open_model
+from ..kv import BlockManager, BlockPool, KVCache
+from ..kv.cache import default_num_blocks
+from ..models import build_model
+from ..sampling_params import SamplingParams
+from .llm_engine import LLMEngine
+from .model_runner import ModelRunner
+from .outputs import RequestOutput, StreamDelta
+from .scheduler import Scheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | os.PathLike | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    kv_block_size: int = 16
+    kv_cache_memory_gb: float | None = None
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidRequestError(f"{name} must be at least 1")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise InvalidRequestError("kv_cache_memory_gb must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError("max_model_len must be at least 2")
+        if self.speculative_method not in (None, "draft", "ngram"):
+            raise InvalidRequestError("speculative_method must be None, 'draft' or 'ngram'")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float32 if self.dtype == "auto" else _DTYPES[self.dtype]
+
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | os.PathLike | None = None, **options: Any):
+        start = time.perf_counter()
+        self.config = EngineConfig(model=model, **options)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        files = open_model(model)
+        self.files = files
+        self.model_config = files.config
+        self.tokenizer = files.tokenizer
+        self.chat_template = files.chat_template
+        device = torch.device(self.config.device)
+        dtype = self.config.torch_dtype
+        with torch.device(device):
+            self.model = build_model(files.config, lambda name: files.weights[name].load().to(dtype))
+        max_len = min(self.config.max_model_len or files.config.max_position_embeddings,
+                      files.config.max_position_embeddings)
+        self.max_model_len = max_len
+        bs = self.config.kv_block_size
+        num_blocks = default_num_blocks(files.config, bs, dtype, self.config.kv_cache_memory_gb,
+                                        self.config.max_num_seqs * max_len)
+        self.kv_cache = KVCache(files.config, num_blocks, bs, dtype, device)
+        block_manager = BlockManager(BlockPool(num_blocks, self.config.enable_prefix_caching), bs)
+        scheduler = Scheduler(block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
+        self.engine = LLMEngine(ModelRunner(self.model, self.kv_cache, device), self.tokenizer, block_manager,
+                                scheduler, max_len, eos)
+        self.load_time_s = time.perf_counter() - start
+
+    # -- prompts -------------------------------------------------------------------------------
+    def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
+            return None, list(prompt)
+        raise InvalidRequestError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
+
+    def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
+        text = self.chat_template.render(messages, add_generation_prompt=True)
+        bos = self.tokenizer.bos_token
+        add_special = not (bos and text.startswith(bos))
+        return text, self.tokenizer.encode(text, add_special_tokens=add_special)
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        encoded = [self.encode(p) for p in prompts]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run([self.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
+        if len(params_list) != len(encoded):
+            raise InvalidRequestError("give one SamplingParams, or one per prompt")
+        ids = []
+        try:
+            for (text, token_ids), p in zip(encoded, params_list):
+                ids.append(self.engine.add_request(token_ids, p, prompt=text))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        done: set[str] = set()
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                if bar is not None and delta.finish_reason and self.engine.requests[delta.request_id].finished \
+                        and delta.request_id not in done:
+                    done.add(delta.request_id)
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [self.engine.pop_finished(rid) for rid in ids]
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """One request, its new text yielded as it is generated (the CLI's chat uses this)."""
+        text, token_ids = self.encode(prompt)
+        yield from self._stream(text, token_ids, sampling_params or SamplingParams())
+
+    def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        text, token_ids = self.encode_chat(messages)
+        yield from self._stream(text, token_ids, sampling_params or SamplingParams())
+
+    def _stream(self, text, token_ids, params) -> Iterator[StreamDelta]:
+        rid = self.engine.add_request(token_ids, params, prompt=text)
+        try:
+            while not self.engine.requests[rid].finished:
+                for delta in self.engine.step():
+                    if delta.request_id == rid:
+                        yield delta
+            self.last_output = self.engine.pop_finished(rid)
+        finally:
+            self.engine.abort(rid)
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -1,0 +1,231 @@
+"""The engine loop: schedule, run, sample, post-process. One step at a time, many requests at once."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..formats.tokenizer import Tokenizer
+from ..kv import BlockManager
+from ..layers.sampler import sample
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput, StreamDelta
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, block_manager: BlockManager,
+                 scheduler: Scheduler, max_model_len: int, eos_token_ids: frozenset[int]):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
+                         "prefill_time_s": 0.0, "decode_time_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0}
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None) -> str:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds "
+                                      f"{self.max_model_len} (max_model_len); nothing would fit after it")
+        capacity = self.block_manager.pool.num_blocks * self.block_manager.block_size
+        if len(prompt_token_ids) >= capacity:
+            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens but the KV cache holds "
+                                      f"only {capacity}; raise kv_cache_memory_gb")
+        request_id = request_id if request_id is not None else str(next(self._request_ids))
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, prompt, list(prompt_token_ids), params)
+        seq = self._new_sequence(request, 0, list(prompt_token_ids))
+        seq.pending_fork = params.n - 1
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        return request_id
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        params = request.params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed + index)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop or [],
+                                       params.include_stop_str_in_output)
+        seq = Sequence(next(self._seq_ids), request.request_id, index, token_ids, len(request.prompt_token_ids),
+                       params, detok, generator, arrival_time=request.arrival_time)
+        request.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its KV blocks go back to the pool at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        start = time.perf_counter()
+        sampling_seqs, logits = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            self.block_manager.commit(seq, n)
+        rows = self._expand_forks(sampling_seqs)
+        deltas = self._sample_and_append(rows, logits) if rows else []
+        elapsed = time.perf_counter() - start
+        phase = "decode" if all(n == 1 for n in batch.num_new_tokens) else "prefill"
+        self.counters[f"{phase}_time_s"] += elapsed
+        self.counters[f"{phase}_tokens"] += batch.num_tokens
+        self.counters["steps"] += 1
+        return deltas
+
+    def _expand_forks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """(sequence, logits row) pairs. A request with n > 1 runs its prompt once; at its first sample
+        the sequence forks into n that share the prompt's blocks and sample from the same logits."""
+        rows = []
+        for row, seq in enumerate(seqs):
+            rows.append((seq, row))
+            if seq.pending_fork:
+                request = self.requests[seq.request_id]
+                for k in range(seq.pending_fork):
+                    child = self._new_sequence(request, len(request.seqs), list(seq.token_ids))
+                    self.block_manager.fork(seq, child)
+                    self.scheduler.admit_running(child)
+                    rows.append((child, row))
+                seq.pending_fork = 0
+        return rows
+
+    def _sample_and_append(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[StreamDelta]:
+        seqs = [s for s, _ in rows]
+        index = torch.tensor([r for _, r in rows])
+        out = sample(logits[index], [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+                     [s.output_token_ids for s in seqs], [s.generator for s in seqs])
+        tokens = out.token_ids.tolist()
+        chosen_logprobs = out.logprobs.tolist()
+        now = time.perf_counter()
+        deltas = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            top = out.top_logprobs[i] if out.top_logprobs is not None else []
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(chosen_logprobs[i])
+                seq.top_logprobs.append(top)
+            self.counters["generation_tokens"] += 1
+            text, reason = self._check_stop(seq, token)
+            if reason is not None:
+                if not seq.detokenizer.stopped:
+                    text += seq.detokenizer.flush()
+                self.scheduler.finish(seq, reason)
+            deltas.append(StreamDelta(seq.request_id, seq.index, text, [token],
+                                      [chosen_logprobs[i]] if seq.params.logprobs is not None else [],
+                                      [top] if seq.params.logprobs is not None else [], reason))
+        return deltas
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str, str | None]:
+        """The text this token adds to the output, and the finish reason if it ends the sequence."""
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in (params.stop_token_ids or ()):
+            return "", "stop"
+        text = seq.detokenizer.push(token)
+        if seq.detokenizer.stopped:
+            return text, "stop"
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return text, "length"
+        if seq.num_tokens >= self.max_model_len:
+            return text, "length"
+        return text, None
+
+    # -- results -------------------------------------------------------------------------------
+    def request_output(self, request_id: str) -> RequestOutput:
+        request = self.requests[request_id]
+        outputs = []
+        for seq in sorted(request.seqs, key=lambda s: s.index):
+            want_logprobs = seq.params.logprobs is not None
+            outputs.append(CompletionOutput(
+                index=seq.index, text=seq.detokenizer.text(), token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason, cumulative_logprob=float(sum(seq.logprobs)),
+                logprobs=list(seq.logprobs) if want_logprobs else None,
+                top_logprobs=list(seq.top_logprobs) if want_logprobs else None))
+        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,
+                             self._metrics(request))
+
+    def pop_finished(self, request_id: str) -> RequestOutput:
+        output = self.request_output(request_id)
+        del self.requests[request_id]
+        return output
+
+    def _metrics(self, request: Request) -> dict:
+        seqs = request.seqs
+        first = min((s.first_token_time for s in seqs if s.first_token_time is not None), default=None)
+        last = max((s.finish_time for s in seqs if s.finish_time is not None), default=None)
+        generated = sum(s.num_output_tokens for s in seqs)
+        metrics = {"num_prompt_tokens": len(request.prompt_token_ids), "num_generated_tokens": generated,
+                   "num_cached_prompt_tokens": seqs[0].num_cached_tokens if seqs else 0}
+        if first is not None:
+            metrics["ttft_s"] = first - request.arrival_time
+        if first is not None and last is not None:
+            metrics["e2e_s"] = last - request.arrival_time
+            decode_tokens = generated - len(seqs)
+            metrics["decode_tokens_per_s"] = decode_tokens / (last - first) if last > first and decode_tokens > 0 else 0.0
+        return metrics
+
+    def stats(self) -> dict:
+        pool = self.block_manager.pool
+        bs = self.block_manager.block_size
+        filled: dict[int, int] = {}
+        live = [s for s in self.scheduler.running]
+        for seq in live:
+            for i, block_id in enumerate(seq.block_table):
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, max(seq.num_computed_tokens - i * bs, 0)))
+        slots = len(filled) * bs
+        stored = sum(filled.values())
+        return {
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_free": pool.num_free,
+            "kv_block_size": bs,
+            "kv_tokens_stored": stored,
+            "kv_waste_fraction": 1.0 - stored / slots if slots else 0.0,
+            "prefix_cache_queries": pool.prefix_queries,
+            "prefix_cache_hits": pool.prefix_hits,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }

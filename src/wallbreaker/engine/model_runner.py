@@ -1,0 +1,63 @@
+"""Runs one scheduled batch through the model: flat token list in, logits of the sampling rows out."""
+from __future__ import annotations
+
+import torch
+
+from ..kv import KVCache
+from ..layers.attention import AttentionMetadata, PrefillSpan
+from ..models.llama import CausalLM
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = kv_cache.layer(i)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Computes the batch's new tokens into the KV cache. Returns the sequences that caught up with
+        their last token (they sample next) and their logits [n, vocab]."""
+        self.kv_cache.copy_blocks(batch.copies)
+        order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] != 1)  # decodes first
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables, decode_lens, prefills = [], [], []
+        sampling_rows: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        for j in order:
+            seq, n = batch.seqs[j], batch.num_new_tokens[j]
+            start = seq.num_computed_tokens
+            end = start + n
+            if n == 1:
+                decode_tables.append(seq.block_table)
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSpan(len(input_ids), n, end, torch.tensor(seq.block_table, device=self.device)))
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                      for p in range(start, end)]
+            if end == seq.num_tokens:
+                sampling_rows.append(len(input_ids) - 1)
+                sampling_seqs.append(seq)
+        width = max((len(t) for t in decode_tables), default=0)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=self.device),
+            num_decode_tokens=len(decode_tables),
+            decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                             dtype=torch.long, device=self.device).view(len(decode_tables), width),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+            prefills=prefills,
+        )
+        hidden = self.model(torch.tensor(input_ids, device=self.device),
+                            torch.tensor(positions, device=self.device), meta)
+        if not sampling_rows:
+            return [], hidden.new_empty(0, self.model.config.vocab_size)
+        return sampling_seqs, self.model.logits(hidden[torch.tensor(sampling_rows, device=self.device)])

@@ -1,0 +1,66 @@
+"""A sequence: one stream of tokens (prompt + output) moving through the engine.
+
+There is no prefill or decode state: like vLLM v1, a sequence has `num_computed_tokens` catching up
+with `len(token_ids)`. A new prompt is far behind (prefill, maybe in chunks); a decoding sequence is
+one behind (the token it just sampled). Preemption sets it back to zero; it catches up again.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n outputs
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    pending_fork: int = 0  # siblings still to be forked off this sequence at its first sample (n > 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

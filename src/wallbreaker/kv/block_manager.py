@@ -1,0 +1,126 @@
+"""The logical side of the paged KV cache: each sequence's block table, grown on demand.
+
+A sequence holds `block_table` (physical block ids, in order) and `block_hashes` (the chained
+hash of each of its full blocks). Full blocks are immutable and may be shared (prefix cache hits,
+forks); only a sequence's partly filled tail block is ever written, so that is the one place
+copy-on-write is needed.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from .block_pool import Block, BlockPool, hash_block
+
+
+class PagedSequence(Protocol):
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    block_hashes: list[int]
+
+
+class BlockManager:
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool = pool
+        self.block_size = block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def cached_prefix(self, seq: PagedSequence) -> list[Block]:
+        """Cached full blocks matching the start of `seq`. The last token is never covered: its
+        logits are needed, so at least it is computed again."""
+        blocks: list[Block] = []
+        parent = None
+        for i in range((len(seq.token_ids) - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = hash_block(parent, tokens)
+            block = self.pool.lookup(parent, tokens)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate_prompt(self, seq: PagedSequence, max_new_tokens: int) -> int:
+        """Start a sequence that holds no blocks: reuse its cached prefix, then take blocks for up to
+        `max_new_tokens` more tokens. Returns the number of tokens to compute now (0: no room)."""
+        assert not seq.block_table
+        hits = self.cached_prefix(seq) if self.pool.enable_prefix_caching else []
+        computed = len(hits) * self.block_size
+        num_new = min(len(seq.token_ids) - computed, max_new_tokens)
+        revived = sum(1 for b in hits if b.ref_count == 0)
+        fresh = self.blocks_needed(computed + num_new) - len(hits)
+        if revived + fresh > self.pool.num_free:
+            return 0
+        for block in hits:
+            self.pool.retain(block)
+        seq.block_table = [b.block_id for b in hits]
+        seq.block_hashes = [b.hash for b in hits]
+        seq.num_computed_tokens = computed
+        self._grow(seq, computed + num_new)
+        return num_new
+
+    def can_append(self, seq: PagedSequence, num_new_tokens: int) -> bool:
+        end = seq.num_computed_tokens + num_new_tokens
+        need = self.blocks_needed(end) - len(seq.block_table)
+        if self._tail_is_shared(seq):
+            need += 1
+        return need <= self.pool.num_free
+
+    def append_slots(self, seq: PagedSequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make room for the next `num_new_tokens` tokens (check `can_append` first). Returns the
+        (src, dst) block copies to run before the step: a shared tail block is copied on write."""
+        copies = []
+        if self._tail_is_shared(seq):
+            index = seq.num_computed_tokens // self.block_size
+            old = self.pool.blocks[seq.block_table[index]]
+            new = self.pool.allocate()
+            self.pool.release(old)
+            seq.block_table[index] = new.block_id
+            copies.append((old.block_id, new.block_id))
+        self._grow(seq, seq.num_computed_tokens + num_new_tokens)
+        return copies
+
+    def commit(self, seq: PagedSequence, num_new_tokens: int) -> None:
+        """The step computed these tokens: advance, and offer every newly full block to the prefix cache."""
+        seq.num_computed_tokens += num_new_tokens
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block_hash = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(block_hash)
+            self.pool.register(self.pool.blocks[seq.block_table[i]], block_hash, tokens)
+
+    def fork(self, parent: PagedSequence, child: PagedSequence) -> None:
+        """`child` shares every block of `parent`; the first write to a shared tail copies it."""
+        for block_id in parent.block_table:
+            self.pool.retain(self.pool.blocks[block_id])
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def trim(self, seq: PagedSequence, num_tokens: int) -> None:
+        """Forget K/V past `num_tokens` (rejected speculative tokens): whole blocks beyond are freed."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block_id in seq.block_table[keep:]:
+            self.pool.release(self.pool.blocks[block_id])
+        del seq.block_table[keep:]
+        del seq.block_hashes[seq.num_computed_tokens // self.block_size:]
+
+    def free(self, seq: PagedSequence) -> None:
+        for block_id in reversed(seq.block_table):
+            self.pool.release(self.pool.blocks[block_id])
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _tail_is_shared(self, seq: PagedSequence) -> bool:
+        if seq.num_computed_tokens % self.block_size == 0:
+            return False
+        tail = self.pool.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]]
+        return tail.ref_count > 1
+
+    def _grow(self, seq: PagedSequence, num_tokens: int) -> None:
+        while len(seq.block_table) < self.blocks_needed(num_tokens):
+            seq.block_table.append(self.pool.allocate().block_id)

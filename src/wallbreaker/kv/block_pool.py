@@ -1,0 +1,91 @@
+"""The physical side of the paged KV cache: a fixed set of blocks, reference counts, a free list,
+and the prefix cache (full blocks keyed by a chained hash of their tokens).
+
+Free blocks sit in one ordered dict: blocks without a hash at the front (nothing to lose), cached
+blocks behind them in least-recently-freed order. Allocation takes from the front, so a cached block
+is evicted only when no plain free block is left; a cache hit pulls its block out of the middle in O(1).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set when the block is full and registered in the prefix cache
+    token_ids: tuple[int, ...] = ()  # the tokens behind `hash`, to verify a hit
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained: a block's key covers every token before it, so equal keys mean equal prefixes."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, Block] = {}
+        self.prefix_queries = 0  # full prompt blocks looked up
+        self.prefix_hits = 0  # of which found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def allocate(self) -> Block:
+        if not self._free:
+            raise RuntimeError("KV block pool exhausted")  # callers check num_free first
+        block = self.blocks[self._free.popitem(last=False)[0]]
+        if block.hash is not None:
+            del self._cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block
+
+    def retain(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def release(self, block: Block) -> None:
+        assert block.ref_count > 0, f"block {block.block_id} released too often"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block.block_id] = None
+            if block.hash is None:
+                self._free.move_to_end(block.block_id, last=False)
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+        self.prefix_queries += 1
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        self.prefix_hits += 1
+        return block
+
+    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Offer a newly full block to the prefix cache (the first block with a given key wins)."""
+        if not self.enable_prefix_caching or block.hash is not None or block_hash in self._cached:
+            return
+        block.hash, block.token_ids = block_hash, token_ids
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self._cached.values():
+            block.hash, block.token_ids = None, ()
+        self._cached.clear()

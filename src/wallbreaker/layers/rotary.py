@@ -1,0 +1,28 @@
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (Hugging Face layout), computed for the positions at hand.
+
+    Angles are built per call from `positions`, so no table sized by the maximum context exists;
+    the arithmetic matches transformers' (float32 inverse frequencies times float32 positions).
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling_factor: float = 1.0):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq / scaling_factor, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,222 @@
+"""The one sampler: plain decoding, n > 1, beam search and speculative decoding all draw here.
+
+Pipeline per row: penalties -> temperature -> top-k -> top-p -> min-p -> renormalize -> draw.
+Rows carry their own `SamplingParams`; the filtering is vectorized over the batch, and the
+full-vocabulary sort is only paid for top-p rows whose nucleus is not among their most
+likely `TOP_P_CANDIDATES` tokens.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from wallbreaker.sampling_params import SamplingParams
+
+# top-p first looks for its nucleus among this many most likely tokens (see `_top_p_drop`).
+TOP_P_CANDIDATES = 1024
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor  # [B] long
+    logprobs: Tensor  # [B] float32, raw log-softmax at the chosen token
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; None when nobody asked
+
+
+def apply_penalties(
+    logits: Tensor,
+    params: list[SamplingParams],
+    prompt_ids: list[Sequence[int]],
+    output_ids: list[Sequence[int]],
+) -> Tensor:
+    """Return penalized logits [B, V] (a new tensor), with vLLM semantics.
+
+    Repetition penalty over prompt + output tokens: positive logits are divided by it,
+    negative ones multiplied. Then, over output tokens only,
+    logit -= presence * [count > 0] + frequency * count.
+    Works on flat indices (row * V + token) so that it touches only the penalized entries.
+    """
+    out = logits.float().clone()  # [B, V]
+    B, V = out.shape
+    flat = out.view(-1)  # [B * V]
+    device = out.device
+
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        idx = _flat_ids(rep_rows, [_cat(prompt_ids[i], output_ids[i]) for i in rep_rows], V, device).unique()
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+        vals = flat[idx]
+        r = rep[idx // V]
+        flat[idx] = torch.where(vals > 0, vals / r, vals * r)
+
+    pf_rows = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+    if pf_rows:
+        idx, counts = _flat_ids(pf_rows, [output_ids[i] for i in pf_rows], V, device).unique(return_counts=True)
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
+        row = idx // V
+        flat[idx] -= presence[row] + frequency[row] * counts.float()
+    return out
+
+
+def processed_probs(
+    logits: Tensor,
+    params: list[SamplingParams],
+    prompt_ids: list[Sequence[int]],
+    output_ids: list[Sequence[int]],
+) -> Tensor:
+    """The distribution [B, V] float32 that `sample` draws from; greedy rows are one-hot at the argmax."""
+    penalized = apply_penalties(logits, params, prompt_ids, output_ids)  # [B, V]
+    probs = torch.zeros_like(penalized)
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    rand = [i for i, p in enumerate(params) if not p.is_greedy]
+    if greedy:
+        rows = torch.tensor(greedy, device=probs.device)
+        probs[rows, penalized[rows].argmax(dim=-1)] = 1.0
+    if rand:
+        rows = torch.tensor(rand, device=probs.device)
+        probs[rows] = _filtered_probs(penalized[rows], [params[i] for i in rand])
+    return probs
+
+
+def sample(
+    logits: Tensor,
+    params: list[SamplingParams],
+    prompt_ids: list[Sequence[int]],
+    output_ids: list[Sequence[int]],
+    generators: list[torch.Generator | None],
+) -> SamplerOutput:
+    """Draw one token per row. Greedy rows take the argmax and never touch any generator."""
+    logits = logits.float()
+    B = logits.shape[0]
+    device = logits.device
+    penalized = apply_penalties(logits, params, prompt_ids, output_ids)  # [B, V]
+    token_ids = torch.empty(B, dtype=torch.long, device=device)
+
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    rand = [i for i, p in enumerate(params) if not p.is_greedy]
+    if greedy:
+        rows = torch.tensor(greedy, device=device)
+        token_ids[rows] = penalized[rows].argmax(dim=-1)
+    if rand:
+        rows = torch.tensor(rand, device=device)
+        probs = _filtered_probs(penalized[rows], [params[i] for i in rand])
+        token_ids[rows] = sample_from_probs(probs, [generators[i] for i in rand])
+
+    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
+    return SamplerOutput(token_ids, chosen, _top_logprobs(raw_logprobs, params))
+
+
+def sample_from_probs(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """Exact draw from each row of probs [B, V] by an exponential race: argmax(p / E), E ~ Exp(1).
+
+    A row with a generator takes its noise only from it (so a seeded row is reproducible
+    whatever else is in the batch); rows with None share the device's default generator.
+    Generators must live on probs' device. Returns [B] long.
+    """
+    noise = torch.empty_like(probs, dtype=torch.float32)  # [B, V]
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        rows = torch.tensor(shared, device=probs.device)
+        noise[rows] = torch.empty_like(noise[rows]).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    # E == 0 would turn zero-probability tokens into 0/0.
+    noise.clamp_(min=torch.finfo(torch.float32).tiny)
+    return (probs.float() / noise).argmax(dim=-1)
+
+
+def _filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Temperature, top-k, top-p, min-p on penalized logits [b, V] of non-greedy rows -> probs [b, V].
+
+    top-k keeps every token >= the k-th largest value (ties at the boundary are all kept);
+    top-p keeps the smallest prefix of the probabilities sorted descending, ties by lower
+    token id, whose mass reaches top_p; min-p keeps p >= min_p * p_max.
+    """
+    b, V = logits.shape
+    device = logits.device
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    scaled = logits / temp[:, None]  # [b, V]
+
+    top_k = [min(p.top_k, V) if p.top_k > 0 else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor([kk or 1 for kk in top_k], device=device)
+        kth = scaled.topk(max(top_k), dim=-1).values.gather(1, (k - 1)[:, None])  # [b, 1]
+        kth = kth.masked_fill(torch.tensor(top_k, device=device)[:, None] == 0, float("-inf"))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+
+    probs = scaled.softmax(dim=-1)  # [b, V]
+    nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus_rows:
+        top_p = torch.tensor([params[i].top_p for i in nucleus_rows], dtype=torch.float32, device=device)
+        if len(nucleus_rows) == b:
+            probs = probs.masked_fill(_top_p_drop(probs, top_p), 0.0)
+        else:
+            rows = torch.tensor(nucleus_rows, device=device)
+            probs[rows] = probs[rows].masked_fill(_top_p_drop(probs[rows], top_p), 0.0)
+
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    # Always renormalized, so a row's probs do not depend on what other rows asked for.
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _top_p_drop(probs: Tensor, top_p: Tensor, candidates: int | None = None) -> Tensor:
+    """Mask [b, V] of the tokens top-p removes, for probs [b, V] and top_p [b] < 1.
+
+    Sorting the whole vocabulary is slow on CPU, and the nucleus is usually small: first try
+    the `candidates` most likely tokens, and fully sort only the rows whose nucleus may reach
+    past them. Which way a row goes depends only on that row.
+    """
+    b, V = probs.shape
+    c = min(candidates or TOP_P_CANDIDATES, V)
+    vals, ids = probs.topk(c, dim=-1)  # [b, c]
+    ids, order = ids.sort(dim=-1)
+    vals, order = vals.gather(1, order).sort(dim=-1, descending=True, stable=True)  # ties: lower id first
+    ids = ids.gather(1, order)
+    mass_before = vals.cumsum(dim=-1) - vals  # [b, c]
+    keep = mass_before < top_p[:, None]
+    keep[:, 0] = True
+    drop = torch.ones_like(probs, dtype=torch.bool).scatter_(1, ids, ~keep)  # [b, V]
+
+    if c < V:
+        # Sure only if the nucleus closes before the tokens tied with the c-th one, some of
+        # which topk may have left out.
+        first_tied = torch.full_like(ids[:, :1], c - 1)  # [b, 1]
+        unsure = mass_before.gather(1, first_tied).squeeze(1) < top_p  # [b]
+        redo = unsure.nonzero().flatten()
+        if redo.numel():
+            drop[redo] = _top_p_drop(probs[redo], top_p[redo], candidates=V)
+    return drop
+
+
+def _top_logprobs(raw_logprobs: Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]] | None:
+    wanted = [p.logprobs for p in params]
+    if all(w is None for w in wanted):
+        return None
+    k = max(w or 0 for w in wanted)
+    if k == 0:
+        return [[] for _ in params]
+    vals, ids = raw_logprobs.topk(k, dim=-1)  # [B, k]
+    vals, ids = vals.tolist(), ids.tolist()
+    result = []
+    for row, w in enumerate(wanted):
+        pairs = sorted(zip(ids[row], vals[row]), key=lambda t: (-t[1], t[0]))
+        result.append(pairs[: w or 0])
+    return result
+
+
+def _cat(a: Sequence[int], b: Sequence[int]) -> Tensor:
+    return torch.cat([torch.as_tensor(a, dtype=torch.long).reshape(-1), torch.as_tensor(b, dtype=torch.long).reshape(-1)])
+
+
+def _flat_ids(rows: list[int], ids: Sequence[Sequence[int] | Tensor], V: int, device: torch.device) -> Tensor:
+    """Token ids of several rows as flat indices row * V + id into a [B * V] view."""
+    parts = [torch.as_tensor(t, dtype=torch.long).reshape(-1).to(device) + r * V for r, t in zip(rows, ids)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)

@@ -1,0 +1,31 @@
+"""Gemma 3: sandwich norms around attention and MLP, GeGLU, QK-norm, scaled embeddings,
+and sliding-window layers (with their own RoPE base) between global ones. The config carries
+the switches; this file only changes the shape of the block."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.attention import AttentionMetadata
+from .llama import MLP, Attention, CausalLM, WeightGetter, _norm
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, get: WeightGetter):
+        super().__init__()
+        p, eps = f"blk.{layer}.", cfg.rms_norm_eps
+        self.attn_norm = _norm(get, p + "attn_norm.weight", eps)
+        self.attn = Attention(cfg, layer, get)
+        self.post_attn_norm = _norm(get, p + "post_attention_norm.weight", eps)
+        self.mlp_norm = _norm(get, p + "ffn_norm.weight", eps)
+        self.mlp = MLP(cfg, layer, get)
+        self.post_mlp_norm = _norm(get, p + "post_ffw_norm.weight", eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, meta))
+        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
+
+
+class Gemma3CausalLM(CausalLM):
+    layer_class = Gemma3DecoderLayer

@@ -1,0 +1,114 @@
+"""The Llama family (Llama, SmolLM2, Qwen2): pre-norm decoder, GQA, rotate-half RoPE, SwiGLU.
+
+Gemma 3 (gemma3.py) reuses these pieces and changes the block around them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.activation import gated
+from ..layers.attention import AttentionMetadata, paged_attention, write_kv
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+
+WeightGetter = Callable[[str], torch.Tensor]
+
+
+def _norm(get: WeightGetter, name: str, eps: float) -> RMSNorm:
+    w = get(name)
+    norm = RMSNorm(w.shape[0], eps)
+    norm.weight.data = w
+    return norm
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, get: WeightGetter):
+        super().__init__()
+        p = f"blk.{layer}."
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        biases = [get(p + f"attn_{x}.bias") for x in "qkv"] if cfg.qkv_bias else None
+        self.qkv = Linear.fused([get(p + f"attn_{x}.weight") for x in "qkv"], biases)
+        self.o = Linear(get(p + "attn_output.weight"))
+        self.q_norm = _norm(get, p + "attn_q_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = _norm(get, p + "attn_k_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
+        sliding = cfg.is_sliding(layer)
+        theta = cfg.rope_local_theta if sliding and cfg.rope_local_theta else cfg.rope_theta
+        self.rope = RotaryEmbedding(cfg.head_dim, theta, 1.0 if sliding else cfg.rope_scaling_factor)
+        self.sliding_window = cfg.sliding_window if sliding else None
+        self.scale = cfg.attn_scale
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim], bound by the runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rope.cos_sin(positions)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        return self.o(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, get: WeightGetter):
+        super().__init__()
+        p = f"blk.{layer}."
+        self.gate_up = Linear.fused([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")])
+        self.down = Linear(get(p + "ffn_down.weight"))
+        self.act = cfg.hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(gated(self.gate_up(x), self.act))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, get: WeightGetter):
+        super().__init__()
+        p = f"blk.{layer}."
+        self.attn_norm = _norm(get, p + "attn_norm.weight", cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, get)
+        self.mlp_norm = _norm(get, p + "ffn_norm.weight", cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, layer, get)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, meta)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class CausalLM(nn.Module):
+    """Token ids in, hidden states out (`forward`); hidden states to vocabulary logits (`logits`)."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+
+    def __init__(self, cfg: ModelConfig, get: WeightGetter):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Parameter(get("token_embd.weight"), requires_grad=False)  # [vocab, hidden]
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, get) for i in range(cfg.num_layers))
+        self.norm = _norm(get, "output_norm.weight", cfg.rms_norm_eps)
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else get("output.weight"))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed[input_ids]  # [T, hidden]
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [B, vocab]
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.attn for layer in self.layers]

