@@ -55,3 +55,18 @@ def real_model_path(name: str) -> Path:
 def real_model() -> Callable[[str], Path]:
     """`real_model("smollm2")` -> the installed GGUF path, or skip."""
     return real_model_path
+
+
+@pytest.fixture(scope="session")
+def packaged_model() -> Callable[[str], Path]:
+    """`packaged_model("gemma3-270m")` -> the assembled GGUF of a packaged real model, or skip with
+    the command that installs it."""
+    from wallbreaker.errors import ModelNotFoundError
+    from wallbreaker.formats.packaged import packaged_model_path
+
+    def get(alias: str) -> Path:
+        try:
+            return packaged_model_path(alias)
+        except ModelNotFoundError as e:
+            pytest.skip(str(e))
+    return get

@@ -178,3 +178,12 @@ def test_first_completed_stop_wins(tok):
         detok = IncrementalDetokenizer(tok, [], ["abcd", "bc"])
         out = "".join(detok.push(t) for t in ids)
         assert detok.stopped and out == detok.text() == text[: text.index("bc")]
+
+
+def test_prompt_ending_mid_character(tok):
+    ids = tok.encode("ab🎉 end")
+    split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    prompt, output = ids[:split], ids[split:]
+    detok = IncrementalDetokenizer(tok, prompt, [])
+    out = "".join(detok.push(t) for t in output) + detok.flush()
+    assert out == detok.text() == tok.decode(output)

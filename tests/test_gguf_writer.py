@@ -57,7 +57,7 @@ def _transformers_from_gguf(tiny: TinyModel) -> torch.nn.Module:
     if tiny.arch == "gemma3":
         reader = gguf.GGUFReader(tiny.gguf_path)
         pattern = _field(reader, "gemma3.attention.sliding_window_pattern")
-        _ = ["sliding_attention" if s else "full_attention" for s in pattern]
+        config.layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
         config.rope_parameters["sliding_attention"]["rope_theta"] = _field(reader, "gemma3.rope.freq_base_swa")
         config.query_pre_attn_scalar = round(_field(reader, "gemma3.attention.scale") ** -2)
     return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32).eval()

@@ -1,8 +1,9 @@
 """Tiny random-weight models of every supported architecture, for fast tests.
 
 Each is written twice: a Hugging Face folder (transformers' `save_pretrained`, the reference) and a
-GGUF file of the same weights through wallbreaker's `write_gguf`. Both share one tiny byte-level BPE
-tokenizer trained here, deterministically, on a fixed text.
+GGUF file of the same weights through wallbreaker's `write_gguf`. Both carry the same tiny byte-level
+BPE tokenizer, trained here deterministically on a fixed text, splitting text like a different
+llama.cpp pre-tokenizer per architecture (llama: "gpt2", qwen2: "qwen2", gemma3: "llama-bpe").
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ Hello, world! How are you today? I am fine, thank you. What's the time? It's 12:
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 3.14159. Code: def main(): return x + y * 2
 The attention of each head looks at the keys of all earlier tokens, weighted by their similarity.
 Once upon a time there was a little model that wanted to generate text, one token after another.
-Unicode: café, naïve, über, 日本語, emoji 🙂, em—dash.	Tabs	and  double  spaces.
-IT'S LOUD, DON'T SHOUT. It's fine.	and	the	tab	and	the	tab. Years 2024, 2025, 12345678, 99999.
+Unicode: café, naïve, über, 日本語, emoji 🙂, em—dash.\tTabs\tand  double  spaces.
+IT'S LOUD, DON'T SHOUT. It's fine.\tand\tthe\ttab\tand\tthe\ttab. Years 2024, 2025, 12345678, 99999.
 Each line ends here.
 (and this) [one] too.
 """
@@ -162,6 +163,12 @@ _GEMMA3_LAYERS = ("sliding", "sliding", "full", "sliding")
 
 def tiny_model_config(arch: str, vocab_size: int, bos: int, eos: int, *, tie_word_embeddings: bool,
                       qkv_bias: bool) -> ModelConfig:
+    """What wallbreaker should infer for the tiny `arch` model.
+
+    RoPE bases are off the library defaults so that a reader falling back to a default is caught.
+    Gemma 3 also departs from what llama.cpp hardcodes for it (sliding pattern of 6, local base
+    10000, scale 1/sqrt(head_dim)); the writer stores all three explicitly.
+    """
     common: dict[str, Any] = dict(
         architecture=arch, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=4,
         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
@@ -174,7 +181,7 @@ def tiny_model_config(arch: str, vocab_size: int, bos: int, eos: int, *, tie_wor
     return ModelConfig(
         **common, rms_norm_eps=1e-6, rope_theta=1e6, hidden_act="gelu_tanh", qk_norm=True, sandwich_norm=True,
         embed_scale=True, query_pre_attn_scalar=32.0, sliding_window=16, layer_types=_GEMMA3_LAYERS,
-        rope_local_theta=10000.0,
+        rope_local_theta=20000.0,
     )
 
 
@@ -240,7 +247,7 @@ def make_tiny_model(arch: str, tmp_dir: Path, *, tie_word_embeddings: bool | Non
     tok = train_tokenizer(pre, add_bos)
     config = tiny_model_config(arch, tok.get_vocab_size(), tok.token_to_id(BOS), tok.token_to_id(EOS),
                                tie_word_embeddings=tie, qkv_bias=bias)
-    hf_model(config, seed).save_pretrained(hf_dir, safe_serialization=True)
+    hf_model(config, seed).save_pretrained(hf_dir)
     _save_hf_tokenizer(tok, hf_dir, add_bos)
 
     tiny = TinyModel(arch, hf_dir, tmp_dir / "model.gguf", config, gguf_tokenizer_metadata(tok, pre, add_bos),

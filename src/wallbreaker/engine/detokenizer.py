@@ -48,10 +48,10 @@ class IncrementalDetokenizer:
         self._ids = context  # decoding context + generated tokens
         self._prefix_offset = 0  # window start: tokens before it are fully decoded
         self._read_offset = len(context)  # tokens before it are the window's settled prefix
-        self._consumed = len(context_text)  # chars of decode(window) already in self._text
+        self._consumed = len(context_text)  # chars of decode(window) already taken as output
 
-        self._text = ""  # decoded generated text, possibly cut at a stop string
-        self._emitted = 0  # chars of self._text handed out
+        self._emitted: list[str] = []  # chunks handed out
+        self._pending = ""  # decoded but held back: it may be the start of a stop string
         self._stopped = False
         self._finished = False
 
@@ -60,7 +60,9 @@ class IncrementalDetokenizer:
         return self._stopped
 
     def text(self) -> str:
-        return self._text[: self._emitted]
+        if len(self._emitted) > 1:
+            self._emitted = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text that became safe to emit (may be "")."""
@@ -80,24 +82,25 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         window = self._decode(self._ids[self._prefix_offset :])
         settled = window if final else window.rstrip(REPLACEMENT_CHAR)
-        old_len = len(self._text)
+        old_len = len(self._pending)
         if len(settled) > self._consumed:
-            self._text += settled[self._consumed :]
+            self._pending += settled[self._consumed :]
             self._consumed = len(settled)
         if settled == window:
             self._slide_window()
 
+        # A stop string completed now starts inside the held-back text or later, never in
+        # emitted text: whatever could begin one was held back.
         cut = self._find_stop(old_len)
         if cut is not None:
-            self._text = self._text[:cut]
             self._stopped = True
-            safe = cut
         elif final:
-            safe = len(self._text)
+            cut = len(self._pending)
         else:
-            safe = len(self._text) - self._held_back()
-        out = self._text[self._emitted : safe]
-        self._emitted = max(self._emitted, safe)
+            cut = len(self._pending) - self._held_back()
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        if out:
+            self._emitted.append(out)
         return out
 
     def _slide_window(self) -> None:
@@ -109,10 +112,10 @@ class IncrementalDetokenizer:
         self._consumed = len(self._decode(self._ids[self._prefix_offset :]))
 
     def _find_stop(self, old_len: int) -> int | None:
-        """Cut position for the earliest-ending stop string that ends after old_len, if any."""
+        """Cut position in the pending text for the earliest-ending stop string ending after old_len."""
         best: tuple[int, int] | None = None  # (end, start)
         for s in self._stop:
-            start = self._text.find(s, max(0, old_len - len(s) + 1))
+            start = self._pending.find(s, max(0, old_len - len(s) + 1))
             if start != -1 and (best is None or (start + len(s), start) < best):
                 best = (start + len(s), start)
         if best is None:
@@ -121,8 +124,8 @@ class IncrementalDetokenizer:
         return end if self._include_stop else start
 
     def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        text = self._text
+        """Length of the longest suffix of the pending text that is a proper prefix of a stop string."""
+        text = self._pending
         for k in range(min(self._max_stop_len - 1, len(text)), 0, -1):
             tail = text[-k:]
             if any(s.startswith(tail) for s in self._stop):

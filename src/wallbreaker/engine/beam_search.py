@@ -1,0 +1,117 @@
+"""Beam search on the paged cache: beams are sequences that fork from their parent's block table,
+so a prompt and every common prefix is stored once; a forked partial tail is copied on write."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .llm_engine import LLMEngine
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+@dataclass
+class BeamSequence:
+    token_ids: list[int]  # generated tokens (no prompt)
+    cumulative_logprob: float
+    text: str = ""
+    finish_reason: str = "length"
+    score: float = 0.0
+
+
+@dataclass
+class BeamSearchOutput:
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence] = field(default_factory=list)  # best first
+
+
+def beam_score(num_tokens: int, cumulative_logprob: float, length_penalty: float) -> float:
+    """vLLM's: the cumulative logprob over (sequence length incl. prompt) ** length_penalty."""
+    return cumulative_logprob / (num_tokens ** length_penalty)
+
+
+def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, max_tokens: int,
+                length_penalty: float = 1.0, ignore_eos: bool = False) -> list[BeamSearchOutput]:
+    if beam_width < 1 or max_tokens < 1:
+        raise InvalidRequestError("beam_width and max_tokens must be at least 1")
+    if engine.has_unfinished():
+        raise InvalidRequestError("beam search runs on an idle engine")
+    bm = engine.block_manager
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    beams: list[list[tuple[Sequence, float]]] = []
+    for ids in prompts:
+        if not ids or len(ids) + max_tokens > engine.max_model_len:
+            raise InvalidRequestError("each beam-search prompt must be non-empty and fit max_model_len with max_tokens")
+        beams.append([(_sequence(engine, ids, params), 0.0)])
+    completed: list[list[tuple[Sequence | list[int], float, str]]] = [[] for _ in prompts]
+    try:
+        for step in range(max_tokens):
+            live = [(p, seq, cum) for p, group in enumerate(beams) for seq, cum in group]
+            if not live:
+                break
+            batch = ScheduledBatch()
+            for _, seq, _ in live:
+                if seq.num_computed_tokens == 0:
+                    n = bm.allocate_prompt(seq, len(seq.token_ids))
+                else:
+                    n = seq.num_tokens - seq.num_computed_tokens
+                    if not bm.can_append(seq, n):
+                        raise InvalidRequestError("the KV cache is too small for this beam search")
+                    batch.copies += bm.append_slots(seq, n)
+                if n == 0 or (seq.num_computed_tokens + n) != seq.num_tokens:
+                    raise InvalidRequestError("the KV cache is too small for this beam search")
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+            seqs, logits = engine.runner.run(batch)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                bm.commit(seq, n)
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [beams, vocab]
+            row_of = {id(s): i for i, s in enumerate(seqs)}
+            new_beams: list[list[tuple[Sequence, float]]] = []
+            for p, group in enumerate(beams):
+                candidates = []
+                for seq, cum in group:
+                    lp = logprobs[row_of[id(seq)]]
+                    top = torch.topk(lp, min(2 * beam_width, lp.numel()))
+                    candidates += [(cum + v, seq, t) for v, t in zip(top.values.tolist(), top.indices.tolist())]
+                candidates.sort(key=lambda c: -c[0])
+                chosen = []
+                for cum, parent, token in candidates:
+                    if len(chosen) == beam_width:
+                        break
+                    if token in engine.eos_token_ids and not ignore_eos:
+                        completed[p].append((parent.token_ids[parent.num_prompt_tokens:] + [token], cum, "stop"))
+                        continue
+                    child = _sequence(engine, parent.prompt_token_ids, params, parent.token_ids + [token])
+                    bm.fork(parent, child)
+                    chosen.append((child, cum))
+                for seq, _ in group:
+                    bm.free(seq)
+                new_beams.append(chosen)
+            beams = new_beams
+        for p, group in enumerate(beams):
+            completed[p] += [(seq.output_token_ids, cum, "length") for seq, cum in group]
+    finally:
+        for group in beams:
+            for seq, _ in group:
+                bm.free(seq)
+    outputs = []
+    for ids, done in zip(prompts, completed):
+        seqs = []
+        for tokens, cum, reason in done:
+            length = len(ids) + len(tokens) - (1 if reason == "stop" else 0)
+            text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+            seqs.append(BeamSequence(tokens, cum, text, reason, beam_score(length, cum, length_penalty)))
+        seqs.sort(key=lambda s: -s.score)
+        outputs.append(BeamSearchOutput(list(ids), seqs[:beam_width]))
+    return outputs
+
+
+def _sequence(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,
+              token_ids: list[int] | None = None) -> Sequence:
+    detok = IncrementalDetokenizer(engine.tokenizer, prompt_ids, [])
+    return Sequence(-1, "beam", 0, list(token_ids or prompt_ids), len(prompt_ids), params, detok)

@@ -1,0 +1,166 @@
+"""Chat templates rendered by us against transformers' renderer, on SmolLM2's template and on one
+that uses every helper transformers gives templates."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+from tokenizers.pre_tokenizers import ByteLevel
+
+from wallbreaker.errors import InvalidRequestError, ModelNotFoundError
+from wallbreaker.formats.chat_template import ChatTemplate, encode_chat
+from wallbreaker.formats.packaged import PACKAGED_MODELS, packaged_model_path
+from wallbreaker.formats.tokenizer import Tokenizer
+
+CONVERSATIONS = {
+    "system_user_assistant_user": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And in French, with «quotes» and\nnewlines? 日本語 🤖"},
+    ],
+    "user_only": [{"role": "user", "content": "Hello!"}],
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[dict[str, Any], Any]:
+    from transformers import AutoTokenizer
+
+    try:
+        path = packaged_model_path("smollm2")
+    except ModelNotFoundError:
+        pytest.skip(f"smollm2 is not installed; install with: {PACKAGED_MODELS['smollm2'].install_command}")
+    reader = gguf.GGUFReader(path)
+    metadata = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    return metadata, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+def test_smollm2_template_matches_transformers(
+    smollm2: tuple[dict[str, Any], Any], conversation: str, add_generation_prompt: bool
+) -> None:
+    metadata, ref = smollm2
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    template = ChatTemplate(metadata["tokenizer.chat_template"], tokenizer.bos_token, tokenizer.eos_token)
+    messages = CONVERSATIONS[conversation]
+    text = template.render(messages, add_generation_prompt=add_generation_prompt)
+    assert text == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    theirs = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    theirs = theirs["input_ids"] if isinstance(theirs, Mapping) else theirs
+    assert encode_chat(tokenizer, template, messages, add_generation_prompt=add_generation_prompt) == theirs
+
+
+HELPERS_TEMPLATE = """{{ bos_token }}
+{%- set ns = namespace(first_user=none) %}
+{%- for m in messages %}
+    {%- if m.role == 'user' and ns.first_user is none %}{% set ns.first_user = loop.index0 %}{% endif %}
+    {%- if m.role == 'stop' %}{% break %}{% endif %}
+    {%- if m.role == 'skip' %}{% continue %}{% endif %}
+    {%- if m.role == 'assistant' %}
+<|assistant|>{% generation %}{{ m.content | trim }}{{ eos_token }}{% endgeneration %}
+    {%- else %}
+<|{{ m.role }}|>{{ m.content }}
+    {%- endif %}
+{%- endfor %}
+{%- if tools %}
+<|tools|>{{ tools | tojson }}|{{ tools[0] | tojson(indent=2, sort_keys=true) }}
+{%- endif %}
+first user at {{ ns.first_user }}; thinking={{ enable_thinking | default(true) }}; year={{ strftime_now('%Y') | length }}
+{%- if add_generation_prompt %}
+<|assistant|>
+{%- endif %}"""
+
+TOOLS = [{"type": "function", "function": {"name": "météo", "description": "<b>&</b>",
+                                           "parameters": {"b": 1, "a": [True, None]}}}]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"tools": TOOLS, "enable_thinking": False}])
+def test_helpers_match_transformers(kwargs: dict[str, Any]) -> None:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [{"role": "system", "content": "sys"}, {"role": "skip", "content": "x"},
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "  yo  "},
+                {"role": "stop", "content": ""}, {"role": "user", "content": "never shown"}]
+    ours = ChatTemplate(HELPERS_TEMPLATE, "<s>", "</s>").render(messages, add_generation_prompt=True, **kwargs)
+    (theirs,), _ = render_jinja_template(conversations=[messages], chat_template=HELPERS_TEMPLATE,
+                                         add_generation_prompt=True, bos_token="<s>", eos_token="</s>", **kwargs)
+    assert ours == theirs
+    assert "never shown" not in ours
+    assert ("météo" in ours and "<b>&</b>" in ours) == bool(kwargs)  # tojson neither escapes nor quotes HTML
+
+
+def test_default_is_chatml() -> None:
+    template = ChatTemplate(None, None, None)
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert template.render(messages) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    assert template.render(messages, add_generation_prompt=False).endswith("U<|im_end|>\n")
+
+
+def test_assistant_tool_call_without_content_is_accepted() -> None:
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content | default('-') }};{% endfor %}", None, None)
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]
+    assert template.render(messages) == "user:x;assistant:-;"
+
+
+@pytest.mark.parametrize("messages", [
+    "hello",
+    None,
+    [["user", "hi"]],
+    [{"content": "no role"}],
+    [{"role": 1, "content": "x"}],
+    [{"role": "user"}],
+    [{"role": "user", "content": 5}],
+    [{"role": "user", "content": "ok"}, {"role": "assistant", "content": None}],
+])
+def test_bad_messages(messages: Any) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        ChatTemplate(None, None, None).render(messages)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("source, fragment", [
+    ("{{ raise_exception('Conversation roles must alternate\nuser/assistant') }}", "roles must alternate user/assistant"),
+    ("{{ messages[0].content.upper( }}", "chat template does not compile"),
+    ("{{ messages.__class__.__mro__ }}", "unsafe"),
+    ("{{ messages.append(1) }}", "chat template failed"),
+    ("{% set ns = namespace() %}{% set ns._x = 1 %}", "not allowed"),
+    ("{{ messages[0].content + 1 }}", "chat template failed"),
+])
+def test_template_errors(source: str, fragment: str) -> None:
+    with pytest.raises(InvalidRequestError, match=fragment) as info:
+        ChatTemplate(source, None, None).render([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(info.value)
+
+
+def byte_tokenizer(add_bos: bool) -> Tokenizer:
+    """One token per byte plus <s> and </s>: every text encodes, so only the BOS handling shows."""
+    tokens = ["<s>", "</s>", *sorted(ByteLevel.alphabet())]
+    return Tokenizer.from_gguf_metadata({
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, *[1] * (len(tokens) - 2)],
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": add_bos,
+    })
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+@pytest.mark.parametrize("source", ["{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}",
+                                    "{% for m in messages %}{{ m.content }}{% endfor %}"])
+def test_encode_chat_has_one_bos_at_most(add_bos: bool, source: str) -> None:
+    tokenizer = byte_tokenizer(add_bos)
+    template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token)
+    ids = encode_chat(tokenizer, template, [{"role": "user", "content": "hi"}])
+    written = "bos_token" in source
+    assert ids.count(0) == int(add_bos or written)
+    assert tokenizer.decode(ids) == "hi"
+    assert ids[0] == 0 or not (add_bos or written)
