@@ -109,6 +109,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+@command("serve")
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .server.app import build_app
+        from .server.run import serve
+    except ImportError as e:
+        raise WallbreakerError(f"the server needs its extra ({e.name} is missing); install with: "
+                               "pip install 'wallbreaker[server]'") from e
+    llm = load_llm(args)
+    app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+                    request_timeout=args.request_timeout or None)
+    serve(app, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
 @command("inspect")
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import describe
@@ -130,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     add_sampling_flags(p, max_tokens=512)
     p.add_argument("--system", default=None, help="a system message")
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_engine_flags(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None, help="(default: the model file's stem; 'default' also works)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="sequences that may wait beyond --max-num-seqs before requests get 429 (default: 1024)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before a request is aborted (408); 0 = never (default: 600)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     p = sub.add_parser("inspect", help="architecture, tensors, formats, bytes per token")
     p.add_argument("model_path", nargs="?", default=None)

@@ -12,7 +12,7 @@ from ..errors import InvalidRequestError
 from ..formats import open_model
 from ..kv import BlockManager, BlockPool, KVCache
 from ..kv.cache import default_num_blocks
-from ..models import build_model
+from ..models import WeightSource, build_model
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
 from .model_runner import ModelRunner
@@ -53,7 +53,13 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The activation (and KV cache) dtype."""
         return torch.float32 if self.dtype == "auto" else _DTYPES[self.dtype]
+
+    @property
+    def packed_weights(self) -> bool:
+        """`auto` on the CPU keeps linear weights packed (int4 where stored in 4 bits, else int8)."""
+        return self.dtype == "auto" and torch.device(self.device).type == "cpu"
 
 
 PromptType = str | list[int] | dict
@@ -73,7 +79,7 @@ class LLM:
         device = torch.device(self.config.device)
         dtype = self.config.torch_dtype
         with torch.device(device):
-            self.model = build_model(files.config, lambda name: files.weights[name].load().to(dtype))
+            self.model = build_model(files.config, WeightSource(files.weights, dtype, self.config.packed_weights))
         max_len = min(self.config.max_model_len or files.config.max_position_embeddings,
                       files.config.max_position_embeddings)
         self.max_model_len = max_len

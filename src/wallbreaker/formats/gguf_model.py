@@ -7,6 +7,7 @@ import torch
 
 from ..config import SUPPORTED_ARCHITECTURES, ModelConfig
 from ..errors import ModelFormatError, UnsupportedModelError
+from ..quant.int4 import GGUF_INT4_TYPES, int4_from_gguf
 from .chat_template import ChatTemplate
 from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor, open_gguf
@@ -60,7 +61,7 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
             layer_types = tuple("full" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding" for i in range(layers))
         scale = key("attention.scale")
         extra = dict(hidden_act="gelu_tanh", qk_norm=True, sandwich_norm=True, embed_scale=True,
-                     query_pre_attn_scalar=float(scale) ** -2 if scale else float(key("attention.key_length", hidden // heads)),
+                     query_pre_attn_scalar=round(float(scale) ** -2, 3) if scale else float(key("attention.key_length", hidden // heads)),
                      sliding_window=int(key("attention.sliding_window", 512)), layer_types=layer_types,
                      rope_local_theta=float(key("rope.freq_base_swa", 10000.0)))
     try:
@@ -82,12 +83,21 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
 
 
 def _weight_ref(t: GGUFTensor, cfg: ModelConfig) -> WeightRef:
-    def load() -> torch.Tensor:
-        w = dequantize(t.raw, t.ggml_type, t.shape)
-        if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = llama_unpermute(w, cfg.num_heads)
-        elif cfg.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = llama_unpermute(w, cfg.num_kv_heads)
-        return w
+    heads = None
+    if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+        heads = cfg.num_heads
+    elif cfg.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+        heads = cfg.num_kv_heads
 
-    return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), load)
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return x if heads is None else llama_unpermute(x, heads)
+
+    def load() -> torch.Tensor:
+        return rows(dequantize(t.raw, t.ggml_type, t.shape))
+
+    int4 = None
+    if t.ggml_type in GGUF_INT4_TYPES and len(t.shape) == 2:
+        def int4():
+            return int4_from_gguf(t.raw, t.ggml_type, t.shape).map_rows(rows)
+
+    return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), load, int4, t.raw)

@@ -46,7 +46,7 @@ _TEKKEN_SPLIT = (
 # `tokenizer.ggml.pre` -> the regexes llama.cpp (llama-vocab.cpp) splits text with, applied in turn.
 _PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "default": _DEFAULT_SPLITS,
-    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4"), (_GPT2_SPLIT,)),
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4"), (_GPT2_SPLIT,)),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
         (r"\p{N}", _GPT2_SPLIT),

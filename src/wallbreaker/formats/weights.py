@@ -22,6 +22,8 @@ class WeightRef:
     stored_type: str  # "F32", "BF16", "Q4_1", ...
     nbytes: int  # bytes as stored
     load: Callable[[], torch.Tensor] = field(repr=False)
+    int4: Callable[[], Any] | None = field(default=None, repr=False)  # -> quant.int4.Int4Groups, if 4-bit
+    raw: Any = field(default=None, repr=False)  # the stored bytes (GGUF), for kernels that read them
 
 
 @dataclass

@@ -1,27 +1,83 @@
-"""Linear layers. Weights are built from the stored tensors; projections that run together are fused."""
+"""Linear layers: y = x Wᵀ + b. The float one is the exact reference; the packed ones keep the
+weights in their small stored form and let the matmul read that form (PyTorch's CPU weight-only
+int4 and int8 kernels, bfloat16 activations inside the kernel)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant.int4 import Int4Groups
+
 
 class Linear(nn.Module):
-    """y = x W^T + b, with W [out_features, in_features] in the compute dtype."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class Int4Linear(nn.Module):
+    """Group-wise int4 weights, packed by `_convert_weight_to_int4pack_for_cpu`."""
+
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features = groups.codes.shape[1]
+        self.out_features = groups.codes.shape[0]
+        self.group_size = groups.group_size
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.int(), 1))
+        scales_zeros = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1)  # [in / group, out, 2]
+        self.register_buffer("scales_zeros", scales_zeros.to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(nn.Module):
+    """Per-output-channel symmetric int8 weights (for stored formats with more than 4 bits)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+        self.register_buffer("weight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.register_buffer("bias", bias)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
-    @classmethod
-    def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> "Linear":
-        """One matmul for several projections of the same input (QKV, gate+up)."""
-        return cls(torch.cat(weights, dim=0), None if biases is None else torch.cat(biases, dim=0))
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+    def as_embedding(self, dtype: torch.dtype) -> nn.Module:
+        """The same table read by rows, for a tied embedding: one copy serves both ends."""
+        return RowLookup(self, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class RowLookup(nn.Module):
+    def __init__(self, table: "Int8Linear", dtype: torch.dtype):
+        super().__init__()
+        self.table = [table]  # a list, so the weights are not registered (and counted) twice
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.table[0]
+        return (t.weight[ids].to(self.dtype) * t.scale[ids, None].to(self.dtype))
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Resident bytes of a module's weights (shared tensors counted once)."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

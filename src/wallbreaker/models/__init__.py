@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .gemma3 import Gemma3CausalLM
-from .llama import CausalLM, WeightGetter
+from .llama import CausalLM
+from .source import WeightSource
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {"llama": CausalLM, "qwen2": CausalLM, "gemma3": Gemma3CausalLM}
 
 
-def build_model(config: ModelConfig, get: WeightGetter) -> CausalLM:
-    return _ARCHITECTURES[config.architecture](config, get).eval()
+def build_model(config: ModelConfig, source: WeightSource) -> CausalLM:
+    return _ARCHITECTURES[config.architecture](config, source).eval()

@@ -8,19 +8,20 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
-from .llama import MLP, Attention, CausalLM, WeightGetter, _norm
+from .llama import MLP, Attention, CausalLM, _norm
+from .source import WeightSource
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, get: WeightGetter):
+    def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p, eps = f"blk.{layer}.", cfg.rms_norm_eps
-        self.attn_norm = _norm(get, p + "attn_norm.weight", eps)
-        self.attn = Attention(cfg, layer, get)
-        self.post_attn_norm = _norm(get, p + "post_attention_norm.weight", eps)
-        self.mlp_norm = _norm(get, p + "ffn_norm.weight", eps)
-        self.mlp = MLP(cfg, layer, get)
-        self.post_mlp_norm = _norm(get, p + "post_ffw_norm.weight", eps)
+        self.attn_norm = _norm(src, p + "attn_norm.weight", eps)
+        self.attn = Attention(cfg, layer, src)
+        self.post_attn_norm = _norm(src, p + "post_attention_norm.weight", eps)
+        self.mlp_norm = _norm(src, p + "ffn_norm.weight", eps)
+        self.mlp = MLP(cfg, layer, src)
+        self.post_mlp_norm = _norm(src, p + "post_ffw_norm.weight", eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, meta))

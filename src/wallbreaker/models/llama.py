@@ -4,38 +4,34 @@ Gemma 3 (gemma3.py) reuses these pieces and changes the block around them.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from ..layers.activation import gated
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
-from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from .source import WeightSource
 
-WeightGetter = Callable[[str], torch.Tensor]
 
-
-def _norm(get: WeightGetter, name: str, eps: float) -> RMSNorm:
-    w = get(name)
+def _norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
+    w = src.tensor(name).float()
     norm = RMSNorm(w.shape[0], eps)
     norm.weight.data = w
     return norm
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, get: WeightGetter):
+    def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        biases = [get(p + f"attn_{x}.bias") for x in "qkv"] if cfg.qkv_bias else None
-        self.qkv = Linear.fused([get(p + f"attn_{x}.weight") for x in "qkv"], biases)
-        self.o = Linear(get(p + "attn_output.weight"))
-        self.q_norm = _norm(get, p + "attn_q_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = _norm(get, p + "attn_k_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
+        biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else None
+        self.qkv = src.linear([p + f"attn_{x}.weight" for x in "qkv"], biases)
+        self.o = src.linear([p + "attn_output.weight"])
+        self.q_norm = _norm(src, p + "attn_q_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = _norm(src, p + "attn_k_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
         sliding = cfg.is_sliding(layer)
         theta = cfg.rope_local_theta if sliding and cfg.rope_local_theta else cfg.rope_theta
         self.rope = RotaryEmbedding(cfg.head_dim, theta, 1.0 if sliding else cfg.rope_scaling_factor)
@@ -60,11 +56,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, get: WeightGetter):
+    def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."
-        self.gate_up = Linear.fused([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")])
-        self.down = Linear(get(p + "ffn_down.weight"))
+        self.gate_up = src.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.down = src.linear([p + "ffn_down.weight"])
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,13 +68,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, get: WeightGetter):
+    def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."
-        self.attn_norm = _norm(get, p + "attn_norm.weight", cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer, get)
-        self.mlp_norm = _norm(get, p + "ffn_norm.weight", cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer, get)
+        self.attn_norm = _norm(src, p + "attn_norm.weight", cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, src)
+        self.mlp_norm = _norm(src, p + "ffn_norm.weight", cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, layer, src)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions, meta)
@@ -90,17 +86,16 @@ class CausalLM(nn.Module):
 
     layer_class: type[nn.Module] = DecoderLayer
 
-    def __init__(self, cfg: ModelConfig, get: WeightGetter):
+    def __init__(self, cfg: ModelConfig, src: WeightSource):
         super().__init__()
         self.config = cfg
-        self.embed = nn.Parameter(get("token_embd.weight"), requires_grad=False)  # [vocab, hidden]
+        self.embed, self.lm_head = src.embedding_and_head(cfg.tie_word_embeddings)
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None
-        self.layers = nn.ModuleList(self.layer_class(cfg, i, get) for i in range(cfg.num_layers))
-        self.norm = _norm(get, "output_norm.weight", cfg.rms_norm_eps)
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else get("output.weight"))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, src) for i in range(cfg.num_layers))
+        self.norm = _norm(src, "output_norm.weight", cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed[input_ids]  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for layer in self.layers:

@@ -1,0 +1,297 @@
+"""The one engine loop of the server, and the handles request handlers hold.
+
+The engine is not thread-safe, so a single thread owns it. Handlers never touch it: they put
+commands (add, abort, a function to call) on a thread-safe queue, and the thread runs them between
+steps, in order. Each step's outputs go back to the event loop in one `call_soon_threadsafe`,
+into one asyncio queue per HTTP request. With nothing to run, the thread blocks on the command
+queue, so an idle server costs nothing.
+
+Admission is counted in sequences (a request of n choices takes n): up to `max_num_seqs` run and
+up to `max_queue` more wait; beyond that `submit` refuses with a 429 at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from ..engine.llm import LLM
+from ..engine.outputs import RequestOutput, StreamDelta
+from ..sampling_params import SamplingParams
+from .errors import APIError, bad_request, queue_full
+from .metrics import ServerMetrics
+
+logger = logging.getLogger("wallbreaker.server")
+T = TypeVar("T")
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Finished:
+    output: RequestOutput
+
+
+@dataclass
+class Failed:
+    error: Exception
+
+
+Event = StreamDelta | Finished | Failed
+_STOP = object()
+
+
+class RequestHandle:
+    """The engine requests of one HTTP request (one a prompt); their events arrive on its event loop."""
+
+    def __init__(self, owner: AsyncEngine, requests: list[EngineRequest], stream: bool):
+        self.loop = asyncio.get_running_loop()
+        self.stream = stream  # False: only Finished/Failed events are sent
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._owner = owner
+        self._pending = {r.request_id: r.params.n for r in requests}
+
+    @property
+    def done(self) -> bool:
+        return not self._pending
+
+    async def events(self, deadline: float | None = None) -> AsyncIterator[Event]:
+        """Events until every request has finished; `TimeoutError` once `time.monotonic()` passes
+        `deadline`; a `Failed` event's error is raised."""
+        while self._pending:
+            if not self._queue.empty():
+                event = self._queue.get_nowait()
+            elif deadline is None:
+                event = await self._queue.get()
+            else:
+                event = await asyncio.wait_for(self._queue.get(), max(deadline - time.monotonic(), 0.0))
+            if isinstance(event, Failed):
+                self._release(list(self._pending))
+                raise event.error
+            if isinstance(event, Finished):
+                self._release([event.output.request_id])
+            yield event
+
+    def abort(self, reason: str = "abort") -> None:
+        """Stop whatever is unfinished (no-op when all is done); its KV blocks are freed on the next
+        turn of the engine loop."""
+        if self._pending:
+            request_ids = list(self._pending)
+            self._release(request_ids)
+            self._owner._command(partial(self._owner._abort, request_ids, reason))
+
+    def _release(self, request_ids: list[str]) -> None:
+        self._owner._release_seats(sum(self._pending.pop(rid, 0) for rid in request_ids))
+
+    def _receive(self, events: list[Event]) -> None:
+        for event in events:
+            self._queue.put_nowait(event)
+
+
+class AsyncEngine:
+    def __init__(self, llm: LLM, metrics: ServerMetrics | None = None, max_queue: int = 1024):
+        self.llm = llm
+        self.engine = llm.engine
+        self.metrics = metrics or ServerMetrics()
+        self.max_num_seqs = llm.config.max_num_seqs
+        self.max_queue = max_queue
+        stats = self.engine.stats()  # read before the engine thread starts; never after
+        self.max_prompt_tokens = min(llm.max_model_len, stats["kv_blocks_total"] * stats["kv_block_size"]) - 1
+        self._seats_used = 0
+        self._seats_lock = threading.Lock()
+        self._commands: queue.SimpleQueue[Callable[[], None] | object] = queue.SimpleQueue()
+        self._routes: dict[str, RequestHandle] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="wallbreaker-engine", daemon=True)
+        self._thread.start()
+
+    # -- the event-loop side ---------------------------------------------------------------------
+    def submit(self, requests: list[EngineRequest], stream: bool) -> RequestHandle:
+        """Queue `requests` for the engine (all or none); raises a 429 `APIError` when the queue is full."""
+        self._check_alive()
+        need = sum(r.params.n for r in requests)
+        if need > self.max_num_seqs + self.max_queue:
+            raise bad_request(f"the request asks for {need} sequences, more than the server ever holds "
+                              f"({self.max_num_seqs} running + {self.max_queue} waiting)", param="n")
+        with self._seats_lock:
+            if self._seats_used + need > self.max_num_seqs + self.max_queue:
+                raise queue_full(self.max_queue)
+            self._seats_used += need
+        handle = RequestHandle(self, requests, stream)
+        self._command(partial(self._add, handle, requests))
+        return handle
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """`fn(engine)` run on the engine thread, between two steps."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                loop.call_soon_threadsafe(_settle, future, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+        self._command(run)
+        return await future
+
+    @property
+    def queue_length(self) -> int:
+        return max(0, self._seats_used - self.max_num_seqs)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; whatever is still in flight is aborted and its handlers told so."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    def _check_alive(self) -> None:
+        if not self._thread.is_alive():
+            raise APIError(503, "the engine is shutting down", type="service_unavailable", code="shutting_down")
+
+    def _command(self, fn: Callable[[], None]) -> None:
+        self._commands.put(fn)
+
+    def _release_seats(self, n: int) -> None:
+        with self._seats_lock:
+            self._seats_used -= n
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._run_commands(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    try:
+                        self._step()
+                    except Exception as e:
+                        logger.exception("engine step failed; failing the requests in flight")
+                        self._fail_all(APIError(500, f"engine error: {type(e).__name__}: {e}",
+                                                type="internal_server_error", code="engine_error"))
+        finally:
+            self._run_late_commands()
+            self._fail_all(APIError(503, "the server shut down before the request finished",
+                                    type="service_unavailable", code="shutting_down"), reason="abort")
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting for one if `block`); False once told to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+            while True:
+                if command is _STOP:
+                    return False
+                try:
+                    command()
+                except Exception:
+                    logger.exception("engine command failed")
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _run_late_commands(self) -> None:
+        """Commands queued behind the stop still run, so that no handler waits for an answer forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not _STOP:
+                try:
+                    command()
+                except Exception:
+                    logger.exception("engine command failed")
+
+    def _add(self, handle: RequestHandle, requests: list[EngineRequest]) -> None:
+        added: list[str] = []
+        try:
+            for r in requests:
+                self.engine.add_request(r.prompt_token_ids, r.params, prompt=r.prompt, request_id=r.request_id)
+                added.append(r.request_id)
+                self._routes[r.request_id] = handle
+                self.metrics.on_added(len(r.prompt_token_ids))
+        except Exception as e:
+            for rid in added:
+                self.engine.abort(rid)
+                self._routes.pop(rid, None)
+            _deliver({handle: [Failed(bad_request(str(e)) if isinstance(e, ValueError) else e)]})
+
+    def _abort(self, request_ids: list[str], reason: str) -> None:
+        for rid in request_ids:
+            if self._routes.pop(rid, None) is None:
+                continue  # already finished
+            n = self.engine.requests[rid].params.n if rid in self.engine.requests else 1
+            self.engine.abort(rid)
+            self.metrics.on_ended_early(rid, n, reason)
+
+    def _step(self) -> None:
+        deltas = self.engine.step()
+        now = time.perf_counter()
+        events: dict[RequestHandle, list[Event]] = defaultdict(list)
+        ended: list[str] = []
+        for delta in deltas:
+            self.metrics.on_delta(delta, now)
+            handle = self._routes.get(delta.request_id)
+            if handle is None:
+                continue
+            if handle.stream:
+                events[handle].append(delta)
+            if delta.finish_reason is not None:
+                ended.append(delta.request_id)
+        for rid in dict.fromkeys(ended):
+            request = self.engine.requests.get(rid)
+            if request is not None and request.finished:
+                output = self.engine.pop_finished(rid)
+                self.metrics.on_finished(output)
+                events[self._routes.pop(rid)].append(Finished(output))
+        _deliver(events)
+
+    def _fail_all(self, error: Exception, reason: str = "error") -> None:
+        events: dict[RequestHandle, list[Event]] = {}
+        for rid, handle in list(self._routes.items()):
+            self._abort([rid], reason)
+            events[handle] = [Failed(error)]
+        _deliver(events)
+
+
+def _deliver(events: dict[RequestHandle, list[Event]]) -> None:
+    """Hand each handle its events on its own event loop: one wake-up a loop per step."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[Event]]]] = defaultdict(list)
+    for handle, handle_events in events.items():
+        if handle_events:
+            by_loop[handle.loop].append((handle, handle_events))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_receive_all, batch)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+
+def _receive_all(batch: list[tuple[RequestHandle, list[Event]]]) -> None:
+    for handle, events in batch:
+        handle._receive(events)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,100 @@
+"""POST /v1/completions: one engine request a prompt, its n choices numbered prompt * n + index."""
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from fastapi import Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from ..engine.outputs import RequestOutput, StreamDelta
+from ..sampling_params import SamplingParams
+from .access_log import AccessRecord
+from .async_engine import EngineRequest, Finished, RequestHandle
+from .errors import APIError, request_timeout
+from .logprobs import completion_logprobs
+from .prompts import completion_prompts
+from .protocol import CompletionRequest
+from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from .sampling import completion_params
+from .state import ServerState
+from .streaming import SSE_DONE, EventStreamResponse, collect, sse, sse_error
+
+
+async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
+    access: AccessRecord = request.state.access
+    completion_id = access.request_id = f"cmpl-{uuid.uuid4().hex}"
+    deadline = state.deadline()
+    state.check_model(body.model)
+    params = completion_params(body)
+    prompts = await run_in_threadpool(completion_prompts, state.llm, body.prompt, state.engine.max_prompt_tokens)
+    requests = [EngineRequest(f"{completion_id}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
+    access.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    handle = state.engine.submit(requests, stream=bool(body.stream))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _stream(state, handle, requests, completion_id, include_usage, access, deadline)
+        return EventStreamResponse(chunks, on_close=handle.abort)
+    outputs = await collect(handle, request, deadline, state.request_timeout)
+    choices = []
+    for i, r in enumerate(requests):
+        for c in outputs[r.request_id].outputs:
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = completion_logprobs(state.strings, c.token_ids, c.logprobs or [], c.top_logprobs or [])
+            choices.append(CompletionChoice(index=i * params.n + c.index, text=c.text, logprobs=logprobs,
+                                            finish_reason=c.finish_reason))
+    usage = _usage(requests, outputs.values())
+    access.completion_tokens = usage.completion_tokens
+    access.ttft_s = min((o.metrics["ttft_s"] for o in outputs.values() if "ttft_s" in o.metrics), default=None)
+    body_out = CompletionResponse(id=completion_id, model=state.model_name, choices=choices, usage=usage)
+    return Response(body_out.model_dump_json(), media_type="application/json")
+
+
+async def _stream(state: ServerState, handle: RequestHandle, requests: list[EngineRequest], completion_id: str,
+                  include_usage: bool, access: AccessRecord, deadline: float | None) -> AsyncIterator[str]:
+    params = requests[0].params
+    prompt_index = {r.request_id: i for i, r in enumerate(requests)}
+    offsets: dict[int, int] = defaultdict(int)
+    finished: list[RequestOutput] = []
+    try:
+        async for event in handle.events(deadline):
+            if isinstance(event, Finished):
+                finished.append(event.output)
+                continue
+            assert isinstance(event, StreamDelta)
+            if event.token_ids:
+                access.first_token()
+                access.completion_tokens += len(event.token_ids)
+            index = prompt_index[event.request_id] * params.n + event.index
+            logprobs = _delta_logprobs(state, event, params, offsets, index)
+            if not (event.text or event.finish_reason or logprobs):
+                continue  # text held back (a possible stop string)
+            choice = CompletionChoice(index=index, text=event.text, logprobs=logprobs,
+                                      finish_reason=event.finish_reason)
+            yield sse(CompletionResponse(id=completion_id, model=state.model_name, choices=[choice]))
+        if include_usage:
+            yield sse(CompletionResponse(id=completion_id, model=state.model_name, choices=[],
+                                         usage=_usage(requests, finished)))
+    except TimeoutError:
+        handle.abort("timeout")
+        yield sse_error(request_timeout(state.request_timeout or 0.0))
+    except APIError as e:
+        yield sse_error(e)
+    yield SSE_DONE
+
+
+def _delta_logprobs(state: ServerState, delta: StreamDelta, params: SamplingParams, offsets: dict[int, int],
+                    index: int) -> CompletionLogprobs | None:
+    if params.logprobs is None or not delta.token_ids:
+        return None
+    logprobs = completion_logprobs(state.strings, delta.token_ids, delta.logprobs, delta.top_logprobs, offsets[index])
+    offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+    return logprobs
+
+
+def _usage(requests: list[EngineRequest], outputs) -> Usage:
+    prompt = sum(len(r.prompt_token_ids) for r in requests)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

@@ -1,0 +1,36 @@
+"""What every handler of one server shares: the model, the engine loop, metrics and settings."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..engine.llm import LLM
+from .async_engine import AsyncEngine
+from .errors import APIError
+from .logprobs import TokenStrings
+from .metrics import ServerMetrics
+
+DEFAULT_ALIAS = "default"
+
+
+@dataclass
+class ServerState:
+    llm: LLM
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    api_key: str | None = None
+    request_timeout: float | None = None
+    strings: TokenStrings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.strings = TokenStrings(self.llm.tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        """None (left out) and "default" mean the one model served."""
+        if name is not None and name not in (self.model_name, DEFAULT_ALIAS):
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    def deadline(self) -> float | None:
+        return None if self.request_timeout is None else time.monotonic() + self.request_timeout

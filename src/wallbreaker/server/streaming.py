@@ -1,0 +1,79 @@
+"""Waiting on a handle's events: to the end (plain answers) or chunk by chunk (server-sent events),
+aborting the engine requests as soon as the client leaves or the deadline passes."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..engine.outputs import RequestOutput
+from .async_engine import Finished, RequestHandle
+from .errors import APIError, request_timeout
+from .responses import ErrorResponse
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(APIError):
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection", type="client_closed", code="client_closed")
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    return sse(ErrorResponse(error=error.info))
+
+
+class EventStreamResponse(StreamingResponse):
+    """A `text/event-stream` response that calls `on_close` however it ends: finished, failed,
+    cancelled by a disconnect, or cancelled before its generator ever started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def collect(handle: RequestHandle, request: Request, deadline: float | None,
+                  timeout_s: float | None) -> dict[str, RequestOutput]:
+    """Every engine request's final output, by request id. Raises a 408 `APIError` at the deadline
+    and `ClientDisconnected` if the client leaves first; either way the requests are aborted."""
+
+    async def outputs() -> dict[str, RequestOutput]:
+        return {e.output.request_id: e.output async for e in handle.events(deadline) if isinstance(e, Finished)}
+
+    gather = asyncio.ensure_future(outputs())
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if gather in done:
+            return gather.result()
+        raise ClientDisconnected()
+    except TimeoutError:
+        handle.abort("timeout")
+        raise request_timeout(timeout_s or 0.0) from None
+    finally:
+        gather.cancel()
+        gone.cancel()
+        handle.abort()
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body has been read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
