@@ -181,3 +181,16 @@ def test_bad_requests_are_refused_with_a_clear_error(model_dir):
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         llm.generate([[10**9]])
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished()
+
+
+def test_stop_strings_cut_the_output_exactly(model_dir):
+    llm = make_llm(model_dir)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop and full.find(stop) > 0
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.text == full[: full.find(stop)] and out.finish_reason == "stop"
+    kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                  include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full[: full.find(stop) + len(stop)]

@@ -44,21 +44,25 @@ def write_gguf(
     tensor_types: dict[str, gguf.GGMLQuantizationType] | None = None,
     chat_template: str | None = None,
     name: str = "wallbreaker",
+    raw_tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
 ) -> Path:
     """Write `tensors` (canonical names and layout) with `config` and the tokenizer as a GGUF file.
 
     `tensor_types` picks each tensor's stored type (default F32); 1-D tensors and norms are always
     F32, as llama.cpp keeps them. Quantization is gguf-py's reference `gguf.quants.quantize`.
+    `raw_tensors` are already encoded blocks ([rows, bytes per row] uint8) in llama.cpp's on-disk
+    layout (q/k rows permuted for `llama`), written as they are.
     """
     path = Path(path)
     arch = config.architecture
     known = set(hf_to_canonical_table(arch, config.num_layers).values())
-    unknown = sorted(set(tensors) - known)
+    unknown = sorted((set(tensors) | set(raw_tensors or {})) - known)
     if unknown:
         raise ValueError(f"not canonical {arch} tensor names: {unknown}")
     tensor_types = tensor_types or {}
 
     encoded = {n: _encode(n, _to_disk(n, t, config), tensor_types.get(n, Q.F32)) for n, t in tensors.items()}
+    encoded.update(raw_tensors or {})
 
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(name)

@@ -12,6 +12,7 @@ from ..config import ModelConfig
 from ..errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
 from .names import hf_to_canonical_table, is_norm
+from .quantized_hf import is_quantized_folder, read_quantized_weights
 from .tokenizer import Tokenizer
 from .weights import ModelFiles, WeightRef, check_weights
 
@@ -31,6 +32,8 @@ def read_hf_folder(path: Path) -> ModelFiles:
         hf = {**hf["text_config"], "model_type": "gemma3_text"}
     config = config_from_hf(hf, path)
     weights = _safetensors_weights(path, config)
+    if is_quantized_folder(hf):
+        weights.update(read_quantized_weights(path, config, hf["quantization_config"]))
     check_weights(str(path), config, weights)
     tokenizer = Tokenizer.from_hf_folder(path)
     template_src = _chat_template_source(path)

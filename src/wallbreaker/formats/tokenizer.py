@@ -175,6 +175,31 @@ class Tokenizer:
             return bytes([int(m.group(1), 16)])
         return token.replace("\u2581", " ").encode()
 
+    def save_hf(self, path: Path | str, chat_template: str | None = None) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json` into folder `path` so that
+        `from_hf_folder` reads back a tokenizer that encodes as this one. BOS/EOS addition moves into
+        the post-processor, which is what decides it for a Hugging Face folder."""
+        from tokenizers import processors
+
+        path = Path(path)
+        backend = Backend.from_str(self._backend.to_str())
+        if self.add_bos or self.add_eos:
+            specials = [(t, i) for t, i, on in ((self.bos_token, self.bos_token_id, self.add_bos),
+                                                (self.eos_token, self.eos_token_id, self.add_eos)) if on]
+            bos = f"{self.bos_token} " if self.add_bos else ""
+            eos = f" {self.eos_token}" if self.add_eos else ""
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos}$A{eos}", pair=f"{bos}$A{eos} {bos}$B:1{eos}", special_tokens=specials)
+        backend.save(str(path / "tokenizer.json"))
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token, "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos, "add_eos_token": self.add_eos,
+        }
+        if chat_template is not None:
+            config["chat_template"] = chat_template
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         model = metadata.get("tokenizer.ggml.model")

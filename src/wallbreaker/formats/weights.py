@@ -24,6 +24,7 @@ class WeightRef:
     load: Callable[[], torch.Tensor] = field(repr=False)
     int4: Callable[[], Any] | None = field(default=None, repr=False)  # -> quant.int4.Int4Groups, if 4-bit
     raw: Any = field(default=None, repr=False)  # the stored bytes (GGUF), for kernels that read them
+    quant: Any = field(default=None, repr=False)  # formats.quantized_hf.QuantInfo of a wallbreaker-quantized weight
 
 
 @dataclass

@@ -1,0 +1,129 @@
+"""wallbreaker's quantized Hugging Face folder: the on-disk layout, written and read here.
+
+config.json carries `"quantization_config": {"quant_method": "wallbreaker", "method", "bits" (or
+"bits_per_tensor": {HF module name: bits}), "group_size", "sym", "desc_act"}`. In model.safetensors,
+each quantized Linear `X.weight` (X a Hugging Face module name such as model.layers.0.mlp.down_proj)
+is stored as:
+
+- `X.qweight` uint8 [out, ceil(in·bits/8)]: each row a little-endian bitstream of `bits`-bit codes
+  (quant/packing.py: at 4 bits the low nibble is the even column);
+- `X.scales` float16 [out, ceil(in/group_size)];
+- `X.zeros` float16 [out, ceil(in/group_size)], asymmetric only (symmetric: z = 2^(bits−1));
+- `X.g_idx` int32 [in], with activation order only (else the group of column i is i // group_size);
+
+and reads back as W = (q − z[:, g]) · s[:, g]. Every other tensor is plain float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from ..errors import ModelFormatError
+from ..quant.grid import QuantizedTensor
+from ..quant.packing import pack_codes, unpack_codes
+from .names import hf_to_canonical_table
+from .weights import WeightRef
+
+QUANT_METHOD = "wallbreaker"
+_INT4_GROUPS = (32, 64, 128, 256)  # group sizes PyTorch's CPU int4 kernel takes
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """`WeightRef.quant` of a quantized tensor: its grid, and its parts unpacked on demand."""
+
+    bits: int
+    group_size: int
+    sym: bool
+    act_order: bool
+    load: Callable[[], QuantizedTensor]
+
+
+def is_quantized_folder(hf_config: dict[str, Any]) -> bool:
+    q = hf_config.get("quantization_config")
+    return isinstance(q, dict) and q.get("quant_method") == QUANT_METHOD
+
+
+def stored_type(bits: int, group_size: int, act_order: bool) -> str:
+    return f"INT{bits}_G{group_size}" + ("_ACT" if act_order else "")
+
+
+def quantized_state(module: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+    """The safetensors entries of one quantized weight; `module` is its HF name without `.weight`."""
+    state = {f"{module}.qweight": pack_codes(q.codes, q.bits),
+             f"{module}.scales": q.scales.to(torch.float16)}
+    if q.zeros is not None:
+        state[f"{module}.zeros"] = q.zeros.to(torch.float16)
+    if q.g_idx is not None:
+        state[f"{module}.g_idx"] = q.g_idx.to(torch.int32)
+    return state
+
+
+def in_features(name: str, cfg: ModelConfig) -> int:
+    if name.endswith("attn_output.weight"):
+        return cfg.num_heads * cfg.head_dim
+    if name.endswith("ffn_down.weight"):
+        return cfg.intermediate_size
+    return cfg.hidden_size
+
+
+def read_quantized_weights(path: Path, cfg: ModelConfig, qcfg: dict[str, Any]) -> dict[str, WeightRef]:
+    """WeightRefs of the quantized Linear weights in folder `path` (the float ones are read as usual)."""
+    try:
+        group, sym, act = int(qcfg["group_size"]), bool(qcfg["sym"]), bool(qcfg.get("desc_act", False))
+        per_tensor = qcfg.get("bits_per_tensor") or {}
+        uniform = qcfg.get("bits")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFormatError(f"{path}/config.json: incomplete quantization_config: {e}") from None
+    weights: dict[str, WeightRef] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        handle = safe_open(str(file), framework="pt")
+        keys = set(handle.keys())
+        for hf_name, name in hf_to_canonical_table(cfg.architecture, cfg.num_layers).items():
+            module = hf_name.removesuffix(".weight")
+            if f"{module}.qweight" not in keys:
+                continue
+            bits = per_tensor.get(module, uniform)
+            if bits is None:
+                raise ModelFormatError(f"{path}: no bit width for {module} in quantization_config")
+            weights[name] = _weight_ref(handle, keys, module, name, int(bits), group, sym, act,
+                                        (handle.get_slice(f"{module}.qweight").get_shape()[0], in_features(name, cfg)))
+    return weights
+
+
+def _weight_ref(handle, keys: set[str], module: str, name: str, bits: int, group: int, sym: bool, act: bool,
+                shape: tuple[int, int]) -> WeightRef:
+    parts = [f"{module}.{p}" for p in ("qweight", "scales", "zeros", "g_idx") if f"{module}.{p}" in keys]
+    nbytes = 0
+    for p in parts:
+        sl = handle.get_slice(p)
+        numel = 1
+        for d in sl.get_shape():
+            numel *= d
+        nbytes += numel * {"U8": 1, "F16": 2, "I32": 4, "F32": 4}.get(sl.get_dtype(), 4)
+    if act and f"{module}.g_idx" not in keys:
+        raise ModelFormatError(f"{module}: desc_act is set but {module}.g_idx is missing")
+
+    def load_quant() -> QuantizedTensor:
+        codes = unpack_codes(handle.get_tensor(f"{module}.qweight"), bits, shape[1])
+        zeros = None if sym else handle.get_tensor(f"{module}.zeros").float()
+        g_idx = handle.get_tensor(f"{module}.g_idx").to(torch.int32) if act else None
+        return QuantizedTensor(codes, handle.get_tensor(f"{module}.scales").float(), zeros, bits, group, g_idx)
+
+    def load() -> torch.Tensor:
+        return load_quant().dequantize()
+
+    int4 = None
+    if bits <= 4 and not act and group in _INT4_GROUPS and shape[1] % group == 0:
+        def int4():
+            from ..quant.int4 import Int4Groups
+            q = load_quant()
+            return Int4Groups(q.codes, q.scales, (8 - q.zero_points()) * q.scales, group)
+
+    return WeightRef(name, shape, stored_type(bits, group, act), nbytes, load, int4=int4,
+                     quant=QuantInfo(bits, group, sym, act, load_quant))

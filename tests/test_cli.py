@@ -1,0 +1,44 @@
+"""The `wallbreaker` command as a user runs it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wallbreaker.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def test_generate_with_the_default_model_prints_a_completion_and_its_speed(packaged_model):
+    packaged_model("smollm2")
+    result = run("generate", "--max-tokens", "8", "The capital of France is")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is") and "Paris" in result.stdout
+    assert "tokens/s" in result.stderr and "TTFT" in result.stderr
+
+
+def test_generate_json_gives_one_object_per_prompt(tiny_llama):
+    result = run("generate", "--model", str(tiny_llama.gguf_path), "--max-tokens", "5", "--json", "Hello", "Once upon")
+    assert result.returncode == 0, result.stderr
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [o["prompt"] for o in objects] == ["Hello", "Once upon"]
+    for o in objects:
+        assert set(o) >= {"prompt", "text", "token_ids", "finish_reason", "metrics"}
+        assert o["finish_reason"] in ("stop", "length") and 0 < len(o["token_ids"]) <= 5
+
+
+def test_chat_streams_replies_and_keeps_the_conversation(tiny_llama):
+    result = run("chat", "--model", str(tiny_llama.gguf_path), "--max-tokens", "6", stdin="Hi there\nAnd again\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("tokens/s") == 2  # one reply per user line
+
+
+def test_inspect_describes_formats_and_bytes_per_token(packaged_model):
+    packaged_model("smollm2")
+    result = run("inspect", "smollm2")
+    assert result.returncode == 0, result.stderr
+    assert "llama: 30 layers" in result.stdout and "Q4_1" in result.stdout and "Q8_0" in result.stdout
+    info = json.loads(run("inspect", "smollm2", "--json").stdout)
+    assert info["kv_bytes_per_token_float32"] == 46080  # 30 layers x 3 KV heads x 64 x K,V x 4 bytes
