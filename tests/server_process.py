@@ -54,3 +54,25 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics, keyed `name` or `name{label="value",...}`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def wait_for_metric(url: str, name: str, value: float, timeout_s: float = 15.0) -> dict[str, float]:
+    """Scrape until `name` reads `value` (the engine frees blocks on its next turn); the last scrape."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape_metrics(url)
+        if samples.get(name) == value or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)

@@ -131,6 +131,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("perplexity")
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from .perplexity import perplexity
+    try:
+        text = open(args.file, encoding="utf-8").read()
+    except OSError as e:
+        raise WallbreakerError(f"cannot read {args.file}: {e.strerror}") from None
+    llm = load_llm(args)
+    result = perplexity(llm, text, ctx=args.ctx, chunks=args.chunks, score=args.score)
+    print(f"[{result.windows} windows of {result.ctx} tokens, {result.tokens_scored} tokens scored "
+          f"({result.score}), mean NLL {result.nll:.5f}]", file=sys.stderr)
+    print(result.line())
+    return 0
+
+
+@command("quantize")
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from .quant.pipeline import QuantizeConfig
+    from .quant.run import is_gguf_path, quantize_to
+    gguf_out = is_gguf_path(args.out)
+    cfg = QuantizeConfig(
+        method=args.method, bits=args.bits, group_size=args.group_size or (32 if gguf_out else 128),
+        sym=args.sym if args.sym is not None else (gguf_out and args.bits == 8), act_order=args.act_order,
+        nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed, calib=args.calib, damp=args.damp,
+        awq_grid=args.awq_grid, mixed_quantizer=args.mixed_quantizer,
+        sensitivity_samples=args.sensitivity_samples)
+    qm = quantize_to(args.model, args.out, cfg)
+    print(f"[{cfg.method}: {len(qm.quantized)} tensors, {qm.average_bits:.3f} bits per weight on average, "
+          f"groups of {cfg.group_size}, {'symmetric' if cfg.sym else 'asymmetric'}]", file=sys.stderr)
+    print(args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wallbreaker", description="LLM inference at the memory wall.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,6 +190,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before a request is aborted (408); 0 = never (default: 600)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    p = sub.add_parser("perplexity", help="perplexity over a text file (llama-perplexity's windows and scoring)")
+    add_engine_flags(p)
+    p.add_argument("--file", required=True, help="a UTF-8 text file")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per window (default: 512)")
+    p.add_argument("--chunks", type=int, default=None, help="score at most this many windows (default: all)")
+    p.add_argument("--score", choices=["half", "all"], default="half",
+                   help="half: the second half of each window, as llama-perplexity (default); all: every token")
+
+    p = sub.add_parser("quantize", help="quantize a model and write it out (GGUF or folder)")
+    p.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "mixed"])
+    p.add_argument("--bits", type=float, required=True, help="2..8; for mixed, the target average (e.g. 3.5)")
+    p.add_argument("--group-size", type=int, default=None, help="(default: 128; 32 for a .gguf output)")
+    p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
+                   help="symmetric grid (default: asymmetric, except --bits 8 to GGUF: Q8_0)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: columns in order of decreasing activation")
+    p.add_argument("--calib", default=None, help="calibration text (default: WikiText-2 valid.txt)")
+    p.add_argument("--nsamples", type=int, default=64, help="calibration sequences (default: 64)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default: 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, fraction of the mean diagonal")
+    p.add_argument("--awq-grid", type=int, default=20, help="AWQ: alpha in {0, 1/n, ..., 1} (default: 20)")
+    p.add_argument("--mixed-quantizer", choices=["gptq", "rtn"], default="gptq")
+    p.add_argument("--sensitivity-samples", type=int, default=8, help="mixed: sequences for sensitivities")
+    p.add_argument("model", help="a .gguf file, a Hugging Face folder, or a packaged model name")
+    p.add_argument("out", help="OUT.gguf (Q4_0, Q4_1, Q8_0) or a folder")
 
     p = sub.add_parser("inspect", help="architecture, tensors, formats, bytes per token")
     p.add_argument("model_path", nargs="?", default=None)

@@ -14,6 +14,8 @@ from ..kv import BlockManager, BlockPool, KVCache
 from ..kv.cache import default_num_blocks
 from ..models import WeightSource, build_model
 from ..sampling_params import SamplingParams
+from ..spec.draft import DraftProposer
+from ..spec.speculator import Speculator
 from .llm_engine import LLMEngine
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, StreamDelta
@@ -36,6 +38,7 @@ class EngineConfig:
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
+    speculative_adaptive: bool = True
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -50,6 +53,10 @@ class EngineConfig:
             raise InvalidRequestError("max_model_len must be at least 2")
         if self.speculative_method not in (None, "draft", "ngram"):
             raise InvalidRequestError("speculative_method must be None, 'draft' or 'ngram'")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise InvalidRequestError("speculative_method='draft' needs speculative_model (a path or packaged name)")
+        if self.speculative_method and not 1 <= self.num_speculative_tokens <= 32:
+            raise InvalidRequestError("num_speculative_tokens must be between 1 and 32")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -91,8 +98,20 @@ class LLM:
         scheduler = Scheduler(block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
         self.engine = LLMEngine(ModelRunner(self.model, self.kv_cache, device), self.tokenizer, block_manager,
-                                scheduler, max_len, eos)
+                                scheduler, max_len, eos, self._speculator(max_len))
         self.load_time_s = time.perf_counter() - start
+
+    def _speculator(self, max_len: int) -> Speculator | None:
+        c = self.config
+        if c.speculative_method is None:
+            return None
+        draft = None
+        if c.speculative_method == "draft":
+            draft_llm = LLM(c.speculative_model, dtype=c.dtype, device=c.device, kv_block_size=c.kv_block_size,
+                            kv_cache_memory_gb=c.kv_cache_memory_gb, max_num_seqs=c.max_num_seqs,
+                            max_model_len=max_len, enable_prefix_caching=c.enable_prefix_caching)
+            draft = DraftProposer(draft_llm, self.tokenizer)
+        return Speculator(c.speculative_method, c.num_speculative_tokens, max_len, draft, c.speculative_adaptive)
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:

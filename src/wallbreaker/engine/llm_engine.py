@@ -10,7 +10,9 @@ import torch
 from ..errors import InvalidRequestError
 from ..formats.tokenizer import Tokenizer
 from ..kv import BlockManager
-from ..layers.sampler import sample
+from ..layers.sampler import processed_probs, sample
+from ..spec.rejection import verify
+from ..spec.speculator import Speculator
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
@@ -35,7 +37,8 @@ class Request:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, block_manager: BlockManager,
-                 scheduler: Scheduler, max_model_len: int, eos_token_ids: frozenset[int]):
+                 scheduler: Scheduler, max_model_len: int, eos_token_ids: frozenset[int],
+                 speculator: Speculator | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.block_manager = block_manager
@@ -45,8 +48,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        self.speculator = speculator
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
-                         "prefill_time_s": 0.0, "decode_time_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0}
+                         "prefill_time_s": 0.0, "decode_time_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0,
+                         "spec_proposed": 0, "spec_accepted": 0, "spec_verify_steps": 0}
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -91,33 +96,55 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        if self.speculator is not None:
+            self.speculator.release_ended(self.scheduler.running)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         start = time.perf_counter()
         sampling_seqs, logits = self.runner.run(batch)
+        run_time = time.perf_counter() - start
+        plain, verifying, row = [], [], 0
+        for seq in sampling_seqs:
+            if seq.num_draft:
+                verifying.append((seq, logits[row:row + 1 + seq.num_draft]))
+            else:
+                plain.append((seq, row))
+            row += 1 + seq.num_draft
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            self.block_manager.commit(seq, n)
-        rows = self._expand_forks(sampling_seqs)
-        deltas = self._sample_and_append(rows, logits) if rows else []
+            if not seq.num_draft:
+                self.block_manager.commit(seq, n)
+        deltas = self._sample_and_append(self._expand_forks(plain), logits) if plain else []
+        deltas += [self._verify_and_append(seq, rows) for seq, rows in verifying]
+        decode_only = all(n == 1 + s.num_draft for s, n in zip(batch.seqs, batch.num_new_tokens))
+        if self.speculator is not None:
+            if decode_only:
+                self.speculator.record_step(batch, run_time)
+            self.speculator.release_ended(self.scheduler.running)
+        for seq in batch.seqs + self.scheduler.running:  # unscheduled drafts are dropped too
+            if seq.num_draft and seq not in batch.seqs:
+                del seq.token_ids[-seq.num_draft:]
+            seq.num_draft, seq.draft_probs = 0, None
         elapsed = time.perf_counter() - start
-        phase = "decode" if all(n == 1 for n in batch.num_new_tokens) else "prefill"
+        phase = "decode" if decode_only else "prefill"
         self.counters[f"{phase}_time_s"] += elapsed
         self.counters[f"{phase}_tokens"] += batch.num_tokens
         self.counters["steps"] += 1
         return deltas
 
-    def _expand_forks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+    def _expand_forks(self, seqs: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """(sequence, logits row) pairs. A request with n > 1 runs its prompt once; at its first sample
         the sequence forks into n that share the prompt's blocks and sample from the same logits."""
         rows = []
-        for row, seq in enumerate(seqs):
+        for seq, row in seqs:
             rows.append((seq, row))
             if seq.pending_fork:
                 request = self.requests[seq.request_id]
@@ -136,26 +163,65 @@ class LLMEngine:
                      [s.output_token_ids for s in seqs], [s.generator for s in seqs])
         tokens = out.token_ids.tolist()
         chosen_logprobs = out.logprobs.tolist()
-        now = time.perf_counter()
         deltas = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             top = out.top_logprobs[i] if out.top_logprobs is not None else []
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(chosen_logprobs[i])
+            deltas.append(self._emit(seq, [token], [chosen_logprobs[i]], [top]))
+        return deltas
+
+    def _verify_and_append(self, seq: Sequence, logits: torch.Tensor) -> StreamDelta:
+        """Rejection-sample the drafts riding on `seq` against the target's logits [1 + K, V]."""
+        k = seq.num_draft
+        drafts = seq.token_ids[-k:]
+        del seq.token_ids[-k:]
+        outputs = seq.output_token_ids
+        p = processed_probs(logits, [seq.params] * (k + 1), [seq.prompt_token_ids] * (k + 1),
+                            [outputs + drafts[:j] for j in range(k + 1)])  # [K + 1, V]
+        q = seq.draft_probs
+        if q is not None:
+            q = _fit_vocab(q, p.shape[1])
+        accepted, nxt = verify(p, q, drafts, seq.generator)
+        tokens = drafts[:accepted] + [nxt]
+        raw = torch.log_softmax(logits.float(), dim=-1)  # [K + 1, V]
+        logprobs = [float(raw[j, t]) for j, t in enumerate(tokens)]
+        tops = [_top(raw[j], seq.params.logprobs) for j in range(len(tokens))]
+        seq.spec_proposed += k
+        seq.spec_accepted += accepted
+        seq.acceptance = 0.8 * seq.acceptance + 0.2 * accepted / k
+        self.counters["spec_proposed"] += k
+        self.counters["spec_accepted"] += accepted
+        self.counters["spec_verify_steps"] += 1
+        computed = seq.num_computed_tokens + 1 + accepted
+        delta = self._emit(seq, tokens, logprobs, tops)
+        if not seq.is_finished:  # keep the K/V of what was accepted; release the rejected slots
+            self.block_manager.commit(seq, computed - seq.num_computed_tokens)
+            self.block_manager.trim(seq, computed)
+        return delta
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float],
+              tops: list[list[tuple[int, float]]]) -> StreamDelta:
+        """Append tokens to a sequence, stopping at the first that ends it; the delta to stream."""
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        want = seq.params.logprobs is not None
+        text, reason, kept = "", None, 0
+        for token, lp, top in zip(tokens, logprobs, tops):
+            seq.token_ids.append(token)
+            kept += 1
+            if want:
+                seq.logprobs.append(lp)
                 seq.top_logprobs.append(top)
             self.counters["generation_tokens"] += 1
-            text, reason = self._check_stop(seq, token)
+            piece, reason = self._check_stop(seq, token)
+            text += piece
             if reason is not None:
                 if not seq.detokenizer.stopped:
                     text += seq.detokenizer.flush()
                 self.scheduler.finish(seq, reason)
-            deltas.append(StreamDelta(seq.request_id, seq.index, text, [token],
-                                      [chosen_logprobs[i]] if seq.params.logprobs is not None else [],
-                                      [top] if seq.params.logprobs is not None else [], reason))
-        return deltas
+                break
+        return StreamDelta(seq.request_id, seq.index, text, tokens[:kept], logprobs[:kept] if want else [],
+                           tops[:kept] if want else [], reason)
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, str | None]:
         """The text this token adds to the output, and the finish reason if it ends the sequence."""
@@ -197,6 +263,11 @@ class LLMEngine:
         generated = sum(s.num_output_tokens for s in seqs)
         metrics = {"num_prompt_tokens": len(request.prompt_token_ids), "num_generated_tokens": generated,
                    "num_cached_prompt_tokens": seqs[0].num_cached_tokens if seqs else 0}
+        proposed = sum(s.spec_proposed for s in seqs)
+        if proposed:
+            accepted = sum(s.spec_accepted for s in seqs)
+            metrics.update(spec_proposed_tokens=proposed, spec_accepted_tokens=accepted,
+                           spec_acceptance_rate=accepted / proposed)
         if first is not None:
             metrics["ttft_s"] = first - request.arrival_time
         if first is not None and last is not None:
@@ -227,5 +298,24 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_acceptance_rate": (self.counters["spec_accepted"] / self.counters["spec_proposed"]
+                                     if self.counters["spec_proposed"] else 0.0),
+            "spec_mean_accepted_length": (self.counters["spec_accepted"] / self.counters["spec_verify_steps"]
+                                          if self.counters["spec_verify_steps"] else 0.0),
+            **(self.speculator.stats() if self.speculator else {}),
             **self.counters,
         }
+
+
+def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft distributions over the target's vocabulary (padded embeddings may differ in size)."""
+    if q.shape[1] >= vocab:
+        return q[:, :vocab]
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
+
+
+def _top(logprobs: torch.Tensor, k: int | None) -> list[tuple[int, float]]:
+    if not k:
+        return []
+    top = torch.topk(logprobs, k)
+    return list(zip(top.indices.tolist(), top.values.tolist()))

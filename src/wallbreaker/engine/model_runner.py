@@ -22,8 +22,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[list[Sequence], torch.Tensor]:
         """Computes the batch's new tokens into the KV cache. Returns the sequences that caught up with
-        their last token (they sample next) and their logits [n, vocab]; with `all_logits`, the logits
-        of every token computed, in batch order (for scoring a text)."""
+        their last token (they sample next) and their logits: one row each, or 1 + num_draft rows for a
+        sequence carrying drafts to verify. With `all_logits`, the logits of every token computed, in
+        batch order (for scoring a text)."""
         self.kv_cache.copy_blocks(batch.copies)
         order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] != 1)  # decodes first
         if all_logits:
@@ -47,8 +48,8 @@ class ModelRunner:
             positions += range(start, end)
             slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                       for p in range(start, end)]
-            if end == seq.num_tokens:
-                sampling_rows.append(len(input_ids) - 1)
+            if end == seq.num_tokens:  # caught up: logits for the last token, and for each draft before it
+                sampling_rows += range(len(input_ids) - 1 - seq.num_draft, len(input_ids))
                 sampling_seqs.append(seq)
         width = max((len(t) for t in decode_tables), default=0)
         meta = AttentionMetadata(

@@ -52,7 +52,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.num_tokens - seq.num_computed_tokens
+            if seq.num_draft and n > budget:  # drafts that do not fit this step are dropped, not split
+                drop = min(seq.num_draft, n - budget)
+                del seq.token_ids[-drop:]
+                seq.num_draft -= drop
+                n -= drop
+            n = min(n, budget)
+            if seq.num_draft and not self.block_manager.can_append(seq, n):  # drafts never cost a preemption
+                del seq.token_ids[-seq.num_draft:]
+                n -= seq.num_draft
+                seq.num_draft = 0
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -83,6 +93,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if seq.num_draft:
+            del seq.token_ids[-seq.num_draft:]
+            seq.num_draft = 0
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -44,6 +44,12 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     pending_fork: int = 0  # siblings still to be forked off this sequence at its first sample (n > 1)
+    # speculative decoding: drafts ride at the end of token_ids during one step, then are verified
+    num_draft: int = 0
+    draft_probs: torch.Tensor | None = None  # [num_draft, V] the distributions they were drawn from
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    acceptance: float = 0.7  # moving average of the fraction of drafts accepted
 
     @property
     def num_tokens(self) -> int:

@@ -60,7 +60,7 @@ def quantized_state(module: str, q: QuantizedTensor) -> dict[str, torch.Tensor]:
     if q.zeros is not None:
         state[f"{module}.zeros"] = q.zeros.to(torch.float16)
     if q.g_idx is not None:
-        state[f"{module}.g_idx"] = q.g_idx.to(torch.int32)
+        state[f"{module}.g_idx"] = q.g_idx.to(torch.int32).clone()
     return state
 
 

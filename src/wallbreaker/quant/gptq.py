@@ -71,30 +71,32 @@ def gptq_quantize(weight: torch.Tensor, prepared: PreparedHessian, grid: QuantGr
     if perm is not None:
         W = W[:, perm]
     Hinv = prepared.hinv
-    rows, cols = W.shape
+    Wt = W.T.contiguous()  # [in, out]: a column of W is a contiguous row here
+    cols, rows = Wt.shape
     g = grid.group_size
     block = max(block_size // g, 1) * g if g < block_size else g  # a group never straddles two blocks
     n_groups = -(-cols // g)
-    Q = torch.zeros_like(W)  # [out, in] codes, processing order
-    scales = torch.zeros(rows, n_groups)
-    zeros = torch.zeros(rows, n_groups)
+    Qt = torch.zeros_like(Wt)  # [in, out] codes, processing order
+    scales = torch.zeros(n_groups, rows)
+    zeros = torch.zeros(n_groups, rows)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        W1 = W[:, i1:i2].clone()  # [out, b]
+        W1 = Wt[i1:i2].clone()  # [b, out]
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             if col % g == 0:
-                s, z = grid.params(W1[:, i:i + g])
-                scales[:, col // g], zeros[:, col // g] = s, z
-            w = W1[:, i]
+                s, z = grid.params(W1[i:i + g].T)  # [out]
+                scales[col // g], zeros[col // g] = s, z
+            w = W1[i]
             q = grid.quantize(w, s, z)
-            Q[:, col] = q
+            Qt[col] = q
             err = (w - grid.dequantize(q, s, z)) / Hinv1[i, i]  # [out]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+            W1[i:] -= Hinv1[i, i:, None] * err[None, :]
+            Err1[i] = err
+        Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1
+    Q, scales, zeros = Qt.T.contiguous(), scales.T.contiguous(), zeros.T.contiguous()
     g_idx = None
     if perm is not None:
         inv = torch.argsort(perm)

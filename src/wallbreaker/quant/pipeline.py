@@ -119,9 +119,10 @@ def quantize_model(llm, cfg: QuantizeConfig, progress: bool = True, keep_rtn_sou
         for i in bar(range(mc.num_layers), desc=cfg.method):
             groups = linear_groups(model, i)
             stats, _ = _capture(runner, i, hidden, groups, cfg.uses_gptq, sample_every)
-            for g in groups:
-                if cfg.method == "awq":
+            if cfg.method == "awq":  # every fold first: folding o and down rescales rows of qkv and gate_up
+                for g in groups:
                     alphas[f"blk.{i}.{g.name}"] = _awq_group(model.layers[i], g, stats[g.name], cfg, awq, mc)
+            for g in groups:
                 _quantize_group(g, plan, cfg, _quantizer(cfg, stats[g.name]), quantized, source)
             hidden = runner.run(i, hidden)
         if alphas:

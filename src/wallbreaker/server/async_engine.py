@@ -64,20 +64,15 @@ class RequestHandle:
         self._owner = owner
         self._pending = {r.request_id: r.params.n for r in requests}
 
-    @property
-    def done(self) -> bool:
-        return not self._pending
-
     async def events(self, deadline: float | None = None) -> AsyncIterator[Event]:
-        """Events until every request has finished; `TimeoutError` once `time.monotonic()` passes
+        """Events until every request has finished; `TimeoutError` once the loop's clock passes
         `deadline`; a `Failed` event's error is raised."""
         while self._pending:
             if not self._queue.empty():
                 event = self._queue.get_nowait()
-            elif deadline is None:
-                event = await self._queue.get()
             else:
-                event = await asyncio.wait_for(self._queue.get(), max(deadline - time.monotonic(), 0.0))
+                async with asyncio.timeout_at(deadline):
+                    event = await self._queue.get()
             if isinstance(event, Failed):
                 self._release(list(self._pending))
                 raise event.error
@@ -265,7 +260,11 @@ class AsyncEngine:
     def _fail_all(self, error: Exception, reason: str = "error") -> None:
         events: dict[RequestHandle, list[Event]] = {}
         for rid, handle in list(self._routes.items()):
-            self._abort([rid], reason)
+            try:
+                self._abort([rid], reason)
+            except Exception:  # the engine is in a bad way; still tell every handler
+                logger.exception("aborting %s failed", rid)
+                self._routes.pop(rid, None)
             events[handle] = [Failed(error)]
         _deliver(events)
 

@@ -6,15 +6,31 @@ cannot see: the shape of prompts and messages, and the bounds of fields it does 
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic_core import PydanticCustomError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # OpenAI's bound on `n`
 
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX - MAX_N)]  # seed + index must fit a torch seed
 TokenIds = list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
+
+
+def _one_of(description: str) -> WrapValidator:
+    """One error naming what a union field takes, instead of one error a member of the union."""
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", f"must be {description}") from None
+    return WrapValidator(validate)
+
+
+Prompt = Annotated[str | list[str] | TokenIds | list[TokenIds],
+                   _one_of("a string, a list of strings, a list of token ids (ints >= 0), or a list of such lists")]
+Stop = Annotated[str | list[str], _one_of("a string or a list of strings")]
 
 
 class _Body(BaseModel):
@@ -32,7 +48,7 @@ class _SamplingFields(_Body):
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     seed: Seed | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -49,7 +65,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
@@ -60,12 +76,15 @@ class TextPart(_Body):
     text: str
 
 
+Content = Annotated[str | list[TextPart], _one_of("a string or a list of {\"type\": \"text\", \"text\": ...} parts")]
+
+
 class ChatMessage(BaseModel):
     """A message; fields beyond role, content and name (tool calls, ...) pass through to the template."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[TextPart] | None = None
+    content: Content | None = None
     name: str | None = None
 
     def for_template(self) -> dict:

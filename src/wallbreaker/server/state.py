@@ -1,7 +1,7 @@
 """What every handler of one server shares: the model, the engine loop, metrics and settings."""
 from __future__ import annotations
 
-import time
+import asyncio
 from dataclasses import dataclass, field
 
 from ..engine.llm import LLM
@@ -33,4 +33,7 @@ class ServerState:
                            type="not_found_error", param="model", code="model_not_found")
 
     def deadline(self) -> float | None:
-        return None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        """When a request arriving now times out, on the event loop's clock (for `asyncio.timeout_at`)."""
+        if self.request_timeout is None:
+            return None
+        return asyncio.get_running_loop().time() + self.request_timeout

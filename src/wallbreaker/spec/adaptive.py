@@ -1,0 +1,61 @@
+"""Choosing the speculation length K each step, to maximize expected tokens per second.
+
+With acceptance rate a, K drafts yield E(K) = (1 − a^(K+1)) / (1 − a) tokens per verify step (the
+accepted run plus the one the target adds). A step costs verify(K + 1) + K · draft_step, both
+measured as the engine runs (moving averages). K = 0 is plain decoding, so speculation is chosen only
+where it is expected to pay; on a CPU, where verifying K + 1 positions costs almost K + 1 decode
+steps, that is often nowhere. Unmeasured lengths are tried once (and neighbours now and then), so
+the estimates follow the machine and the text.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class SpecLengthController:
+    def __init__(self, max_k: int, adaptive: bool = True, smoothing: float = 0.3, explore_every: int = 16):
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.smoothing = smoothing
+        self.explore_every = explore_every
+        self.verify_s: dict[int, float] = {}  # tokens per sequence in a step -> seconds per step
+        self.draft_step_s: float | None = None
+        self.steps = 0
+        self.chosen: deque[int] = deque(maxlen=4096)  # K chosen, step by step
+
+    def choose(self, alpha: float) -> int:
+        if not self.adaptive:
+            return self.max_k
+        rates = {k: expected_tokens(alpha, k) / self._step_cost(k) for k in range(self.max_k + 1)}
+        best = max(rates, key=rates.get)
+        if self.steps % self.explore_every == self.explore_every - 1:
+            best = min(self.max_k, best + 1)  # keep measuring the next length up
+        return best
+
+    def record_step(self, tokens_per_seq: int, seconds: float, chosen_k: int) -> None:
+        self.steps += 1
+        self.chosen.append(chosen_k)
+        self.verify_s[tokens_per_seq] = self._ema(self.verify_s.get(tokens_per_seq), seconds)
+
+    def record_draft_step(self, seconds: float) -> None:
+        self.draft_step_s = self._ema(self.draft_step_s, seconds)
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def _step_cost(self, k: int) -> float:
+        """Seconds for a step with k drafts; unmeasured lengths get an optimistic estimate (the
+        nearest measured shorter one), so they are tried and then known."""
+        m = k + 1
+        if m in self.verify_s:
+            verify = self.verify_s[m]
+        else:
+            shorter = [j for j in self.verify_s if j < m]
+            verify = self.verify_s[max(shorter)] if shorter else 1.0
+        return verify + k * (self.draft_step_s or 0.0)

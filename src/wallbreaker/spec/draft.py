@@ -1,0 +1,97 @@
+"""A draft model as proposer: a second, smaller model with its own paged KV cache, kept in step with
+each target sequence (its tokens re-synced, its cache trimmed back past any rejected drafts)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..engine.scheduler import ScheduledBatch
+from ..engine.sequence import Sequence
+from ..errors import InvalidRequestError
+from ..layers.sampler import processed_probs, sample_from_probs
+
+
+class DraftProposer:
+    def __init__(self, draft_llm, target_tokenizer):
+        check_vocabularies(target_tokenizer, draft_llm.tokenizer)
+        self.llm = draft_llm
+        self.block_manager = draft_llm.engine.block_manager
+        self.runner = draft_llm.engine.runner
+        self.seqs: dict[int, Sequence] = {}
+
+    def forget_except(self, live_seq_ids: set[int]) -> None:
+        """Free the draft cache of target sequences that ended (or were preempted)."""
+        for seq_id in [s for s in self.seqs if s not in live_seq_ids]:
+            self.block_manager.free(self.seqs.pop(seq_id))
+
+    def propose(self, targets: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None], float]:
+        """K drafted tokens per target (fewer if the draft cache is full) and the distributions they
+        were drawn from ([K, V] each). Also returns the seconds spent per draft step."""
+        active = []
+        for target, k in zip(targets, ks):
+            if k > 0:
+                active.append((self._sync(target), k))
+        drafts: list[list[int]] = [[] for _ in targets]
+        probs: list[list[torch.Tensor]] = [[] for _ in targets]
+        index = {id(d): i for i, (d, _) in enumerate(active)}
+        slot_of = [i for i, k in enumerate(ks) if k > 0]
+        steps, start = 0, time.perf_counter()
+        while True:
+            batch = ScheduledBatch()
+            for d, k in active:
+                i = slot_of[index[id(d)]]
+                if len(drafts[i]) >= k or (drafts[i] == [] and steps > 0):
+                    continue
+                n = d.num_tokens - d.num_computed_tokens
+                if not self.block_manager.can_append(d, n):
+                    continue
+                batch.copies += self.block_manager.append_slots(d, n)
+                batch.seqs.append(d)
+                batch.num_new_tokens.append(n)
+            if not batch.seqs:
+                break
+            seqs, logits = self.runner.run(batch)
+            for d, n in zip(batch.seqs, batch.num_new_tokens):
+                self.block_manager.commit(d, n)
+            q = processed_probs(logits, [d.params for d in seqs], [d.prompt_token_ids for d in seqs],
+                                [d.output_token_ids for d in seqs])  # [B, V_draft]
+            tokens = sample_from_probs(q, [d.generator for d in seqs]).tolist()
+            for row, (d, token) in enumerate(zip(seqs, tokens)):
+                i = slot_of[index[id(d)]]
+                drafts[i].append(token)
+                probs[i].append(q[row])
+                d.token_ids.append(token)
+            steps += 1
+        per_step = (time.perf_counter() - start) / steps if steps else 0.0
+        return drafts, [torch.stack(p) if p else None for p in probs], per_step
+
+    def _sync(self, target: Sequence) -> Sequence:
+        d = self.seqs.get(target.seq_id)
+        if d is None:
+            generator = None
+            if target.params.seed is not None:
+                generator = torch.Generator().manual_seed(target.params.seed + 0x9E3779B1 + target.index)
+            d = Sequence(target.seq_id, target.request_id, target.index, list(target.token_ids),
+                         target.num_prompt_tokens, target.params, None, generator)
+            self.seqs[target.seq_id] = d
+            return d
+        common = 0
+        for a, b in zip(d.token_ids, target.token_ids):
+            if a != b:
+                break
+            common += 1
+        self.block_manager.trim(d, min(d.num_computed_tokens, common))
+        d.token_ids = list(target.token_ids)
+        return d
+
+
+def check_vocabularies(target_tokenizer, draft_tokenizer) -> None:
+    """Draft and target must name the same tokens the same way (a larger, padded embedding is fine)."""
+    n = min(target_tokenizer.vocab_size, draft_tokenizer.vocab_size)
+    same = target_tokenizer.vocab_size == draft_tokenizer.vocab_size and all(
+        target_tokenizer.id_to_token(i) == draft_tokenizer.id_to_token(i) for i in range(n))
+    if not same:
+        raise InvalidRequestError(
+            f"the draft model's vocabulary ({draft_tokenizer.vocab_size} tokens) differs from the target's "
+            f"({target_tokenizer.vocab_size}); speculative decoding needs the same tokenizer")
