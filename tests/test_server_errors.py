@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -132,27 +134,46 @@ def test_api_key_is_required_when_set(tiny_llama):
         assert c.get("/health").status_code == 200
 
 
-def test_full_queue_is_429(tiny_llama):
-    """One seat and one place in the queue: of three long requests at once, the third is refused."""
+def test_full_queue_is_429(tiny_llama, monkeypatch):
+    """One seat and one place in the queue: with two requests held in the engine, a third is refused."""
     app = make_app(tiny_llama.gguf_path, max_num_seqs=1, max_queue=1)
-    long = {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True}
+    engine = app.state.server.engine
+    gate = threading.Event()
+    real_step = engine.engine.step
 
-    async def three_at_once() -> list[httpx.Response]:
+    def held_step():
+        gate.wait(timeout=30)
+        return real_step()
+    monkeypatch.setattr(engine.engine, "step", held_step)
+
+    async def three() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-            return await asyncio.wait_for(asyncio.gather(*(c.post("/v1/completions", json=long) for _ in range(3))),
-                                          timeout=60)
+            held = [asyncio.create_task(c.post("/v1/completions", json=OK_COMPLETION)) for _ in range(2)]
+            for _ in range(500):
+                if engine.queue_length == 1:
+                    break
+                await asyncio.sleep(0.01)
+            refused = await c.post("/v1/completions", json=OK_COMPLETION)
+            gate.set()
+            return [refused, *await asyncio.wait_for(asyncio.gather(*held), timeout=60)]
     try:
-        responses = asyncio.run(three_at_once())
+        refused, *served = asyncio.run(three())
     finally:
-        app.state.server.engine.shutdown()
-    assert sorted(r.status_code for r in responses) == [200, 200, 429]
-    refused = next(r for r in responses if r.status_code == 429)
+        gate.set()
+        engine.shutdown()
     assert assert_openai_error(refused, 429)["code"] == "queue_full"
+    assert [r.status_code for r in served] == [200, 200]
 
 
-def test_request_timeout_aborts_with_408_or_a_stream_error(tiny_llama):
-    app = make_app(tiny_llama.gguf_path, max_model_len=512, request_timeout=0.2)
-    slow = {"prompt": "Hi", "max_tokens": 500, "ignore_eos": True}
+def test_request_timeout_aborts_with_408_or_a_stream_error(tiny_llama, monkeypatch):
+    app = make_app(tiny_llama.gguf_path, request_timeout=0.2)
+    real_step = app.state.server.llm.engine.step
+
+    def slow_step():  # 50 tokens would take a second: far past the timeout
+        time.sleep(0.02)
+        return real_step()
+    monkeypatch.setattr(app.state.server.llm.engine, "step", slow_step)
+    slow = {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True}
     with app_client(app) as c:
         error = assert_openai_error(c.post("/v1/completions", json=slow), 408)
         assert error["code"] == "request_timeout"

@@ -69,7 +69,7 @@ def test_kv_gauges_rise_during_a_stream_and_fall_when_its_client_leaves(server):
 def test_plain_request_whose_client_leaves_is_aborted(server):
     before = scrape_metrics(server.url)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.3))
+        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.15))
     after = wait_for_metric(server.url, 'wallbreaker_requests_total{finish_reason="abort"}',
                             before['wallbreaker_requests_total{finish_reason="abort"}'] + 1)
     assert _delta(before, after, 'wallbreaker_requests_total{finish_reason="abort"}') == 1

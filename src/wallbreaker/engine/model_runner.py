@@ -60,8 +60,8 @@ class ModelRunner:
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
             prefills=prefills,
         )
-        hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta)
+        meta.positions = torch.tensor(positions, device=self.device)
+        hidden = self.model(torch.tensor(input_ids, device=self.device), meta.positions, meta)
         if all_logits:
             return sampling_seqs, self.model.logits(hidden)
         if not sampling_rows:

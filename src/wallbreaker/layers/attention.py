@@ -6,7 +6,7 @@ integer tensors, the same inputs a GPU kernel (e.g. Triton) would take.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,26 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [B_decode, max_blocks], padded with 0
     decode_context_lens: torch.Tensor  # [B_decode]
     prefills: list[PrefillSpan]
+    positions: torch.Tensor | None = None  # [T]
+    _memo: dict = field(default_factory=dict, repr=False)  # per-step values every layer shares
+
+    def rotary(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of this step's positions, computed once per step for each distinct RoPE."""
+        if rope.key not in self._memo:
+            self._memo[rope.key] = rope.cos_sin(self.positions)
+        return self._memo[rope.key]
+
+    def decode_mask(self, key_len: int, sliding_window: int | None) -> torch.Tensor:
+        """[B_decode, 1, 1, key_len] which gathered key slots each decode query may see."""
+        key = ("mask", key_len, sliding_window)
+        if key not in self._memo:
+            lens = self.decode_context_lens[:, None]
+            key_pos = torch.arange(key_len, device=lens.device)[None, :]
+            mask = key_pos < lens
+            if sliding_window is not None:
+                mask &= key_pos > lens - 1 - sliding_window
+            self._memo[key] = mask[:, None, None, :]
+        return self._memo[key]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -42,8 +62,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                           scale, sliding_window)
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
         out[rows] = _prefill(q[rows], k_cache, v_cache, span, scale, sliding_window)
@@ -54,14 +73,11 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return cache[block_table].flatten(-4, -3)  # [..., blocks * block_size, kv_heads, head_dim]
 
 
-def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window):
-    k = _gather(k_cache, block_tables).transpose(1, 2)  # [B, kv_heads, S, head_dim]
-    v = _gather(v_cache, block_tables).transpose(1, 2)
-    key_pos = torch.arange(k.shape[2], device=q.device)  # [S]
-    mask = key_pos[None, :] < context_lens[:, None]  # [B, S]
-    if sliding_window is not None:
-        mask &= key_pos[None, :] > (context_lens[:, None] - 1 - sliding_window)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :],
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window):
+    k = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, kv_heads, S, head_dim]
+    v = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+    mask = meta.decode_mask(k.shape[2], sliding_window)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                          scale=scale, enable_gqa=True)  # [B, heads, 1, head_dim]
     return out.squeeze(2)
 

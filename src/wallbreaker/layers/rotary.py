@@ -13,6 +13,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq / scaling_factor, persistent=False)
+        self.key = (head_dim, theta, scaling_factor)  # layers with equal keys share one cos/sin per step
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]

@@ -48,7 +48,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rope.cos_sin(positions)
+        cos, sin = meta.rotary(self.rope)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)

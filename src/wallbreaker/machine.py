@@ -1,0 +1,157 @@
+"""What this machine can move and compute: streaming memory bandwidth and matmul FLOP/s, measured with
+torch, stored in `<cache>/machine.json` so that other code (request metrics, `inspect`) reads them
+without measuring again.
+
+Bandwidth is measured over buffers far larger than the caches (default 512 MiB of float32): a
+read-only sum (bytes read / s) and a copy (bytes read + bytes written / s, STREAM's convention).
+Each kernel runs `repeats` times; the best run is the ceiling the hardware allows, the median what a
+shared machine usually gives.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+MIN_STORED_BUFFER_MIB = 256  # smaller buffers partly fit in cache and overstate the bandwidth
+
+
+@dataclass
+class Sample:
+    best: float
+    median: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Sample":
+        return cls(max(values), statistics.median(values))
+
+
+@dataclass
+class MachineProfile:
+    bandwidth: dict[str, dict[str, Sample]] = field(default_factory=dict)  # threads -> kernel -> bytes/s
+    flops: dict[str, Sample] = field(default_factory=dict)  # kernel kind -> FLOP/s
+    buffer_mib: int = 0
+    gemm_size: int = 0
+    repeats: int = 0
+    host: str = field(default_factory=platform.node)
+    cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
+    torch_version: str = torch.__version__
+    measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+    def read_bandwidth(self, threads: int | None = None) -> float | None:
+        """Best read-only bandwidth (bytes/s) at `threads` (default: the most threads measured)."""
+        if not self.bandwidth:
+            return None
+        key = str(threads) if threads is not None and str(threads) in self.bandwidth else \
+            max(self.bandwidth, key=int)
+        return self.bandwidth[key]["read"].best
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MachineProfile":
+        bandwidth = {t: {k: Sample(**s) for k, s in kernels.items()} for t, kernels in data.get("bandwidth", {}).items()}
+        flops = {k: Sample(**s) for k, s in data.get("flops", {}).items()}
+        rest = {k: v for k, v in data.items() if k not in ("bandwidth", "flops") and k in cls.__dataclass_fields__}
+        return cls(bandwidth=bandwidth, flops=flops, **rest)
+
+
+def machine_path() -> Path:
+    from .formats.packaged import cache_dir
+    return cache_dir() / "machine.json"
+
+
+def load_profile(path: Path | None = None) -> MachineProfile | None:
+    path = path or machine_path()
+    try:
+        return MachineProfile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def store_profile(profile: MachineProfile, path: Path | None = None) -> Path:
+    path = path or machine_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def _timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    fn()  # first touch and warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_bandwidth(buffer_mib: int, repeats: int) -> dict[str, Sample]:
+    """Read-only sum and copy over `buffer_mib` MiB, at the current torch thread count (bytes/s)."""
+    n = buffer_mib * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
+    read = _timed(lambda: src.sum(), repeats)
+    copy = _timed(lambda: dst.copy_(src), repeats)
+    return {"read": Sample.of([nbytes / t for t in read]), "copy": Sample.of([2 * nbytes / t for t in copy])}
+
+
+def _gemm(kind: str, size: int) -> Callable[[], object]:
+    """One size x size x size matmul as the engine runs it: float GEMMs, and the weight-only int4/int8
+    kernels of the packed path (bfloat16 activations)."""
+    g = torch.Generator().manual_seed(0)
+    if kind in ("float32", "bfloat16"):
+        dtype = getattr(torch, kind)
+        a = torch.randn(size, size, generator=g).to(dtype)
+        b = torch.randn(size, size, generator=g).to(dtype)
+        return lambda: torch.mm(a, b)
+    x = torch.randn(size, size, generator=g).to(torch.bfloat16)
+    if kind == "int4":
+        group = 32
+        codes = torch.randint(0, 16, (size, size), generator=g, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scales_zeros = torch.rand(size // group, size, 2, generator=g).to(torch.bfloat16)
+        return lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+    if kind == "int8":
+        w = torch.randint(-127, 128, (size, size), generator=g, dtype=torch.int8)
+        scale = torch.rand(size, generator=g).to(torch.bfloat16)
+        return lambda: torch.ops.aten._weight_int8pack_mm(x, w, scale)
+    raise ValueError(f"unknown matmul kind {kind!r}")
+
+
+GEMM_KINDS = ("float32", "bfloat16", "int4", "int8")
+
+
+def measure_flops(size: int, repeats: int, kinds: tuple[str, ...] = GEMM_KINDS) -> dict[str, Sample]:
+    """FLOP/s of a size^3 matmul of each kind, at the current torch thread count."""
+    out = {}
+    for kind in kinds:
+        times = _timed(_gemm(kind, size), repeats)
+        out[kind] = Sample.of([2 * size**3 / t for t in times])
+    return out
+
+
+def measure(threads: list[int], buffer_mib: int = 512, repeats: int = 5, gemm_size: int = 2048) -> MachineProfile:
+    """Bandwidth at each thread count; FLOP/s at the largest. Restores the thread count it found."""
+    before = torch.get_num_threads()
+    profile = MachineProfile(buffer_mib=buffer_mib, gemm_size=gemm_size, repeats=repeats)
+    try:
+        for t in sorted(set(threads)):
+            torch.set_num_threads(t)
+            profile.bandwidth[str(t)] = measure_bandwidth(buffer_mib, repeats)
+        torch.set_num_threads(max(threads))
+        profile.flops = measure_flops(gemm_size, max(2, repeats // 2))
+    finally:
+        torch.set_num_threads(before)
+    return profile

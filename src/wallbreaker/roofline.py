@@ -1,0 +1,220 @@
+"""The roofline of decoding: what one step must read and compute, and the tokens/s that allows.
+
+A decode step of B sequences reads every weight once in the engine's resident form (one read
+serves the whole batch), B rows of an untied embedding table (a tied table is read in full, as the
+output head), and the K/V of every sequence's context in the cache dtype. It computes about
+2 FLOPs per matmul weight per token, plus attention over the context. So
+
+    memory bound  = B · bandwidth / bytes_per_step(B, context)      (grows with B, falls with context)
+    compute bound = FLOP/s / flops_per_token(context)               (the same for every B)
+
+and decoding turns compute-bound at the batch where the two meet. Speculative decoding can pass
+the memory bound (several tokens per weight read): a `roofline_fraction` above 1 means it did.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .layers.linear import Int4Linear, Int8Linear, Linear, module_bytes
+from .machine import MachineProfile, load_profile, machine_path
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+    from .formats.weights import ModelFiles
+
+_FLOAT_KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "bfloat16"}
+
+
+def layer_windows(cfg: "ModelConfig") -> tuple[int | None, ...]:
+    return tuple(cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers))
+
+
+def attended_positions(windows: tuple[int | None, ...], context: int) -> int:
+    """Positions whose K/V one new token reads, summed over layers (a sliding layer reads its window)."""
+    return sum(context if w is None else min(context, w) for w in windows)
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Bytes and FLOPs of one decode step of a built model (see the module docstring)."""
+
+    weight_bytes: int  # read once a step, whatever the batch
+    row_bytes: int  # one gathered row of an untied embedding table (0 when none)
+    kv_bytes_per_layer_position: int  # K and V of one position in one layer, cache dtype
+    layer_windows: tuple[int | None, ...]  # per layer: sliding window, or None for full attention
+    matmul_params: dict[str, int]  # matmul kernel kind -> weights multiplied per token
+    attn_flops_per_layer_position: int
+    attn_kind: str  # the kernel kind whose FLOP/s attention gets
+
+    def kv_bytes(self, context: int) -> int:
+        """K/V bytes one sequence reads at this context length."""
+        return self.kv_bytes_per_layer_position * attended_positions(self.layer_windows, context)
+
+    def bytes_per_step(self, batch: int, context: int) -> int:
+        return self.weight_bytes + batch * (self.row_bytes + self.kv_bytes(context))
+
+    def bytes_per_token(self, batch: int, context: int) -> float:
+        return self.bytes_per_step(batch, context) / batch
+
+    @property
+    def params(self) -> int:
+        return sum(self.matmul_params.values())
+
+    def flops_per_token(self, context: int) -> float:
+        positions = attended_positions(self.layer_windows, context)
+        return 2.0 * self.params + self.attn_flops_per_layer_position * positions
+
+    def memory_bound(self, bandwidth: float, batch: int, context: int) -> float:
+        """Tokens/s (all sequences together) that `bandwidth` bytes/s allows."""
+        return batch * bandwidth / self.bytes_per_step(batch, context)
+
+    def compute_bound(self, flops: dict[str, float], context: int) -> float | None:
+        """Tokens/s that the measured FLOP/s of each matmul kind allow (None: a kind not measured)."""
+        def rate(kind: str) -> float | None:
+            return flops.get(kind) or flops.get("float32")
+        seconds = 0.0
+        for kind, n in self.matmul_params.items():
+            if rate(kind) is None:
+                return None
+            seconds += 2.0 * n / rate(kind)
+        attn_rate = rate(self.attn_kind)
+        if attn_rate is None:
+            return None
+        positions = attended_positions(self.layer_windows, context)
+        seconds += self.attn_flops_per_layer_position * positions / attn_rate
+        return 1.0 / seconds if seconds else None
+
+    def bound(self, bandwidth: float, flops: dict[str, float] | None, batch: int, context: int) -> float:
+        memory = self.memory_bound(bandwidth, batch, context)
+        compute = self.compute_bound(flops, context) if flops else None
+        return memory if compute is None else min(memory, compute)
+
+    def crossover_batch(self, bandwidth: float, flops: dict[str, float], context: int) -> float | None:
+        """The batch at which the memory bound reaches the compute bound (None: never, the K/V reads
+        of each extra sequence cost more time than its FLOPs)."""
+        compute = self.compute_bound(flops, context)
+        if compute is None:
+            return None
+        per_seq = self.row_bytes + self.kv_bytes(context)
+        denominator = bandwidth - compute * per_seq  # from B·bw / (W + B·per_seq) = compute
+        return compute * self.weight_bytes / denominator if denominator > 0 else None
+
+
+def _tensors(module: nn.Module) -> dict[int, torch.Tensor]:
+    return {t.data_ptr(): t for t in list(module.parameters()) + list(module.buffers())}
+
+
+def _matmul_params(model: nn.Module) -> dict[str, int]:
+    params: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            kind, n = "int4", m.in_features * m.out_features
+        elif isinstance(m, Int8Linear):
+            kind, n = "int8", m.in_features * m.out_features
+        elif isinstance(m, Linear):
+            kind, n = _FLOAT_KINDS.get(m.weight.dtype, "float32"), m.weight.numel()
+        else:
+            continue
+        params[kind] = params.get(kind, 0) + n
+    return params
+
+
+def decode_cost_of(model: nn.Module, kv_dtype: torch.dtype) -> DecodeCost:
+    cfg: ModelConfig = model.config
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    head_tensors = _tensors(head) if head is not None else {}
+    gathered = [t for ptr, t in _tensors(embed).items() if ptr not in head_tensors] if embed is not None else []
+    gathered_bytes = sum(t.numel() * t.element_size() for t in gathered)
+    return DecodeCost(
+        weight_bytes=module_bytes(model) - gathered_bytes,
+        row_bytes=gathered_bytes // cfg.vocab_size,
+        kv_bytes_per_layer_position=2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize,
+        layer_windows=layer_windows(cfg),
+        matmul_params=_matmul_params(model),
+        attn_flops_per_layer_position=4 * cfg.num_heads * cfg.head_dim,
+        attn_kind=_FLOAT_KINDS.get(kv_dtype, "float32"),
+    )
+
+
+_COSTS: "weakref.WeakKeyDictionary[nn.Module, dict[torch.dtype, DecodeCost]]" = weakref.WeakKeyDictionary()
+
+
+def decode_cost(model: nn.Module, kv_dtype: torch.dtype) -> DecodeCost:
+    """`decode_cost_of`, computed once per model (request metrics ask for it often)."""
+    per_model = _COSTS.setdefault(model, {})
+    if kv_dtype not in per_model:
+        per_model[kv_dtype] = decode_cost_of(model, kv_dtype)
+    return per_model[kv_dtype]
+
+
+def llm_cost(llm: Any) -> DecodeCost:
+    return decode_cost(llm.model, llm.kv_cache.tensor.dtype)
+
+
+def stored_decode_bytes(files: "ModelFiles", batch: int, context: int, kv_itemsize: int = 4) -> int:
+    """Bytes per decode step with the weights in their stored (file) form, for `inspect`, which builds
+    no model: every tensor once, except an untied embedding table, of which only `batch` rows."""
+    cfg = files.config
+    table = files.weights.get("token_embd.weight")
+    untied = table.nbytes if table is not None and not cfg.tie_word_embeddings else 0
+    row = untied // cfg.vocab_size
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize * attended_positions(layer_windows(cfg), context)
+    return files.weight_bytes - untied + batch * (row + kv)
+
+
+# -- the stored machine profile --------------------------------------------------------------------
+_PROFILE: dict[str, Any] = {"mtime": None, "profile": None}
+
+
+def machine_profile() -> MachineProfile | None:
+    """The stored profile (`wallbreaker roofline` writes it), re-read only when the file changes."""
+    path = machine_path()
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    if _PROFILE["mtime"] != mtime:
+        _PROFILE.update(mtime=mtime, profile=load_profile(path))
+    return _PROFILE["profile"]
+
+
+def stored_bandwidth(threads: int | None = None) -> float | None:
+    """Best measured read bandwidth (bytes/s) at `threads` (default: torch's current thread count)."""
+    profile = machine_profile()
+    return profile.read_bandwidth(threads or torch.get_num_threads()) if profile else None
+
+
+def stored_flops() -> dict[str, float] | None:
+    profile = machine_profile()
+    return {k: s.best for k, s in profile.flops.items()} if profile and profile.flops else None
+
+
+def decode_bound_tokens_per_s(llm: Any, batch: int = 1, context: int = 1,
+                              bandwidth: float | None = None) -> float | None:
+    """The roofline bound on decode tokens/s (all `batch` sequences together) for a loaded `LLM`;
+    None when no bandwidth is given or stored."""
+    bandwidth = bandwidth or stored_bandwidth()
+    if bandwidth is None:
+        return None
+    return llm_cost(llm).bound(bandwidth, stored_flops(), batch, context)
+
+
+def roofline_fraction(model: nn.Module, kv_cache: Any, metrics: dict) -> float | None:
+    """A request's decode tokens/s as a fraction of the batch-1 bound at its mean decode context.
+
+    For the engine's request metrics: None when no bandwidth is stored or nothing was decoded. A
+    request that shared its steps with others is measured against running alone, so under load
+    the fraction shows what each request got, not what the machine did.
+    """
+    rate = metrics.get("decode_tokens_per_s")
+    bandwidth = stored_bandwidth()
+    if not rate or bandwidth is None:
+        return None
+    context = int(metrics.get("num_prompt_tokens", 0) + metrics.get("num_generated_tokens", 0) / 2) or 1
+    bound = decode_cost(model, kv_cache.tensor.dtype).bound(bandwidth, stored_flops(), 1, context)
+    return rate / bound
