@@ -3,7 +3,6 @@ that uses every helper transformers gives templates."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import gguf

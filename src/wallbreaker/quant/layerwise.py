@@ -58,7 +58,7 @@ class LayerRunner:
             slot_mapping=torch.arange(n * L), num_decode_tokens=0,
             decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
             decode_context_lens=torch.zeros(0, dtype=torch.long),
-            prefills=[PrefillSpan(j * L, L, L, torch.tensor([j])) for j in range(n)])
+            prefills=[PrefillSpan(j * L, L, L, torch.tensor([j])) for j in range(n)], positions=positions)
         return positions, meta
 
     @torch.no_grad()
