@@ -131,6 +131,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("roofline")
+def cmd_roofline(args: argparse.Namespace) -> int:
+    from .roofline_report import run
+    return run(args)
+
+
+@command("bench")
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+    return run(args)
+
+
 @command("perplexity")
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from .perplexity import perplexity
@@ -216,6 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sensitivity-samples", type=int, default=8, help="mixed: sequences for sensitivities")
     p.add_argument("model", help="a .gguf file, a Hugging Face folder, or a packaged model name")
     p.add_argument("out", help="OUT.gguf (Q4_0, Q4_1, Q8_0) or a folder")
+
+    from .bench import add_arguments as add_bench_arguments
+    from .roofline_report import add_arguments as add_roofline_arguments
+    p = sub.add_parser("bench", help="latency and throughput beside llama.cpp and transformers; JSON and a plot")
+    add_engine_flags(p)
+    add_bench_arguments(p)
+
+    p = sub.add_parser("roofline", help="measured bandwidth, the decode tokens/s it allows, and what the engine reaches")
+    add_engine_flags(p)
+    add_roofline_arguments(p)
 
     p = sub.add_parser("inspect", help="architecture, tensors, formats, bytes per token")
     p.add_argument("model_path", nargs="?", default=None)

@@ -19,3 +19,7 @@ class UnsupportedModelError(WallbreakerError):
 
 class InvalidRequestError(WallbreakerError, ValueError):
     """A request the engine cannot serve: bad sampling parameters, empty or too-long prompt."""
+
+
+class WorkerFailedError(WallbreakerError):
+    """A tensor-parallel rank died, hung past the collective timeout, or failed to start; the engine has shut down."""

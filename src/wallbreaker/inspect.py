@@ -5,6 +5,10 @@ import json
 from collections import Counter
 
 from .formats import open_model
+from .roofline import stored_bandwidth, stored_decode_bytes
+
+BOUND_BATCHES = (1, 8, 64)
+BOUND_CONTEXTS = (128, 1024, 4096)
 
 
 def describe(model: str | None, json_output: bool = False) -> str:
@@ -26,8 +30,11 @@ def describe(model: str | None, json_output: bool = False) -> str:
         "tensors": len(files.weights), "tensor_types": dict(by_type),
         "tensor_bytes_by_type": dict(bytes_by_type), "weight_bytes_stored": weight_bytes,
         "kv_bytes_per_token_float32": kv_f32,
-        "bytes_read_per_decoded_token": {f"context {n}": weight_bytes + n * kv_f32 for n in (1, 512, 4096)},
+        "bytes_read_per_decoded_token": {f"context {n}": stored_decode_bytes(files, 1, n) for n in (1, 512, 4096)},
     }
+    bandwidth = stored_bandwidth()
+    if bandwidth:
+        info["decode_bound_tokens_per_s"] = _bounds(files, bandwidth)
     if json_output:
         return json.dumps(info, indent=2)
     lines = [f"{files.path}  ({files.format})",
@@ -42,4 +49,23 @@ def describe(model: str | None, json_output: bool = False) -> str:
     lines.append("  read per decoded token (weights once + KV of the context, batch 1):")
     for label, b in info["bytes_read_per_decoded_token"].items():
         lines.append(f"    {label:<13} {b / 1e6:9.1f} MB")
+    if bandwidth:
+        bounds = info["decode_bound_tokens_per_s"]
+        lines.append(f"  decode bound at {bounds['bandwidth_gb_per_s']:.1f} GB/s (stored by `wallbreaker roofline`), "
+                     f"weights as stored, KV in {bounds['kv_dtype']}, tokens/s of the whole batch:")
+        lines.append("    " + " " * 9 + "".join(f"{f'ctx {c}':>11}" for c in BOUND_CONTEXTS))
+        for batch in BOUND_BATCHES:
+            row = bounds[f"batch {batch}"]
+            lines.append(f"    batch {batch:<3}" + "".join(f"{row[f'context {c}']:11.1f}" for c in BOUND_CONTEXTS))
     return "\n".join(lines)
+
+
+def _bounds(files, bandwidth: float) -> dict:
+    """Memory-bound decode tokens/s with the KV cache in the dtype the default (`auto`) path keeps it in."""
+    from .engine.llm import EngineConfig
+    kv_dtype = getattr(EngineConfig(), "kv_cache_dtype", EngineConfig().torch_dtype)
+    out: dict = {"bandwidth_gb_per_s": bandwidth / 1e9, "kv_dtype": str(kv_dtype).removeprefix("torch.")}
+    for batch in BOUND_BATCHES:
+        out[f"batch {batch}"] = {f"context {c}": batch * bandwidth / stored_decode_bytes(files, batch, c, kv_dtype.itemsize)
+                                 for c in BOUND_CONTEXTS}
+    return out

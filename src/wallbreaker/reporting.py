@@ -22,7 +22,8 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |",
              "| " + " | ".join("-" * w for w in widths) + " |"]
-    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |" for row in cells[1:]]
+    lines += ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+              + " |" for row in cells[1:]]
     return "\n".join(lines)
 
 

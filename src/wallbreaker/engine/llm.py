@@ -12,6 +12,7 @@ from ..errors import InvalidRequestError
 from ..formats import open_model
 from ..kv import BlockManager, BlockPool, KVCache
 from ..kv.cache import default_num_blocks
+from ..layers.linear import module_bytes
 from ..models import WeightSource, build_model
 from ..sampling_params import SamplingParams
 from ..spec.draft import DraftProposer
@@ -64,6 +65,11 @@ class EngineConfig:
         return torch.float32 if self.dtype == "auto" else _DTYPES[self.dtype]
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """bfloat16 on the `auto` path: batched decoding reads the KV cache more than the weights."""
+        return torch.bfloat16 if self.dtype == "auto" else self.torch_dtype
+
+    @property
     def packed_weights(self) -> bool:
         """`auto` on the CPU keeps linear weights packed (int4 where stored in 4 bits, else int8)."""
         return self.dtype == "auto" and torch.device(self.device).type == "cpu"
@@ -91,14 +97,16 @@ class LLM:
                       files.config.max_position_embeddings)
         self.max_model_len = max_len
         bs = self.config.kv_block_size
-        num_blocks = default_num_blocks(files.config, bs, dtype, self.config.kv_cache_memory_gb,
+        kv_dtype = self.config.kv_cache_dtype
+        num_blocks = default_num_blocks(files.config, bs, kv_dtype, self.config.kv_cache_memory_gb,
                                         self.config.max_num_seqs * max_len)
-        self.kv_cache = KVCache(files.config, num_blocks, bs, dtype, device)
+        self.kv_cache = KVCache(files.config, num_blocks, bs, kv_dtype, device)
         block_manager = BlockManager(BlockPool(num_blocks, self.config.enable_prefix_caching), bs)
         scheduler = Scheduler(block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
         self.engine = LLMEngine(ModelRunner(self.model, self.kv_cache, device), self.tokenizer, block_manager,
                                 scheduler, max_len, eos, self._speculator(max_len))
+        self.weight_bytes_resident = module_bytes(self.model)
         self.load_time_s = time.perf_counter() - start
 
     def _speculator(self, max_len: int) -> Speculator | None:
@@ -214,4 +222,5 @@ class LLM:
         return prompt_logits(self.engine, self.encode(prompt)[1], chunk_size)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return {**self.engine.stats(), "weight_bytes_resident": self.weight_bytes_resident,
+                "kv_cache_bytes": self.kv_cache.nbytes}

@@ -1,6 +1,8 @@
 """Runs one scheduled batch through the model: flat token list in, logits of the sampling rows out."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kv import KVCache
@@ -8,6 +10,17 @@ from ..layers.attention import AttentionMetadata, PrefillSpan
 from ..models.llama import CausalLM
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    """All one model step reads besides the weights and the KV pool (what rank 0 broadcasts to the
+    other ranks under tensor parallelism)."""
+
+    input_ids: torch.Tensor  # [T]
+    meta: AttentionMetadata  # with positions
+    copies: list[tuple[int, int]]  # KV blocks to copy (src, dst) first: copy-on-write of forked tails
+    logit_rows: torch.Tensor | None  # rows of the hidden states that need logits; None: all of them
 
 
 class ModelRunner:
@@ -25,7 +38,6 @@ class ModelRunner:
         their last token (they sample next) and their logits: one row each, or 1 + num_draft rows for a
         sequence carrying drafts to verify. With `all_logits`, the logits of every token computed, in
         batch order (for scoring a text)."""
-        self.kv_cache.copy_blocks(batch.copies)
         order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] != 1)  # decodes first
         if all_logits:
             order = list(range(len(batch)))
@@ -61,9 +73,17 @@ class ModelRunner:
             prefills=prefills,
         )
         meta.positions = torch.tensor(positions, device=self.device)
-        hidden = self.model(torch.tensor(input_ids, device=self.device), meta.positions, meta)
-        if all_logits:
-            return sampling_seqs, self.model.logits(hidden)
-        if not sampling_rows:
-            return [], hidden.new_empty(0, self.model.config.vocab_size)
-        return sampling_seqs, self.model.logits(hidden[torch.tensor(sampling_rows, device=self.device)])
+        rows = None if all_logits else torch.tensor(sampling_rows, dtype=torch.long, device=self.device)
+        return sampling_seqs, self.execute(StepInputs(torch.tensor(input_ids, device=self.device), meta,
+                                                      batch.copies, rows))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        """The model over one step's inputs: K/V written into the cache, logits of `step.logit_rows`."""
+        self.kv_cache.copy_blocks(step.copies)
+        hidden = self.model(step.input_ids, step.meta.positions, step.meta)
+        if step.logit_rows is None:
+            return self.model.logits(hidden)
+        if not len(step.logit_rows):
+            return hidden.new_empty(0, self.model.config.vocab_size)
+        return self.model.logits(hidden[step.logit_rows])

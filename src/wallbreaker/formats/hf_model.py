@@ -104,7 +104,8 @@ def _safetensors_weights(path: Path, cfg: ModelConfig) -> dict[str, WeightRef]:
             add_one = cfg.architecture == "gemma3" and is_norm(name)
             weights[name] = WeightRef(name, shape, _DTYPE_NAMES.get(dtype, sl.get_dtype()),
                                       _numel(shape) * dtype.itemsize,
-                                      _loader(handle, hf_name, add_one))
+                                      _loader(handle, hf_name, add_one),
+                                      load_part=_part_loader(handle, hf_name, add_one))
     if cfg.tie_word_embeddings:
         weights.pop("output.weight", None)
     elif "output.weight" not in weights:
@@ -117,6 +118,15 @@ def _loader(handle, hf_name: str, add_one: bool):
         w = handle.get_tensor(hf_name).float()
         return w + 1.0 if add_one else w
     return load
+
+
+def _part_loader(handle, hf_name: str, add_one: bool):
+    """Rows or columns read through `get_slice`: only those bytes come off the disk."""
+    def load_part(dim: int, lo: int, hi: int) -> torch.Tensor:
+        sl = handle.get_slice(hf_name)
+        w = (sl[lo:hi] if dim == 0 else sl[:, lo:hi]).float()
+        return w + 1.0 if add_one else w
+    return load_part
 
 
 def _numel(shape: tuple[int, ...]) -> int:

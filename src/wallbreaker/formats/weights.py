@@ -25,6 +25,28 @@ class WeightRef:
     int4: Callable[[], Any] | None = field(default=None, repr=False)  # -> quant.int4.Int4Groups, if 4-bit
     raw: Any = field(default=None, repr=False)  # the stored bytes (GGUF), for kernels that read them
     quant: Any = field(default=None, repr=False)  # formats.quantized_hf.QuantInfo of a wallbreaker-quantized weight
+    load_part: Callable[[int, int, int], torch.Tensor] | None = field(default=None, repr=False)  # (dim, lo, hi)
+    int4_part: Callable[[int, int, int], Any] | None = field(default=None, repr=False)  # (dim, lo, hi)
+
+    def load_slice(self, dim: int, lo: int, hi: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) lo..hi of `load()`, reading only the stored bytes they need
+        where the format allows (a tensor-parallel rank never holds the whole tensor)."""
+        if (lo, hi) == (0, self.shape[dim]):
+            return self.load()
+        if self.load_part is not None:
+            return self.load_part(dim, lo, hi)
+        return self.load().narrow(dim, lo, hi - lo).clone()
+
+    def int4_slice(self, dim: int, lo: int, hi: int) -> Any:
+        """The int4 groups of that slice; None if the tensor is not 4-bit or a column boundary cuts
+        a group (the caller then falls back to int8)."""
+        if self.int4 is None:
+            return None
+        if (lo, hi) == (0, self.shape[dim]):
+            return self.int4()
+        if self.int4_part is not None:
+            return self.int4_part(dim, lo, hi)
+        return self.int4().narrow(dim, lo, hi)
 
 
 @dataclass

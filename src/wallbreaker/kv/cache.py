@@ -10,14 +10,17 @@ import torch
 from ..config import ModelConfig
 
 
+_SAME_SIZE_NUMPY = {4: np.int32, 2: np.int16}
+
+
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        if torch.device(device).type == "cpu" and dtype == torch.float32:
+        if torch.device(device).type == "cpu" and dtype.itemsize in _SAME_SIZE_NUMPY:
             # calloc'd by numpy: the OS hands out zero pages as blocks are first written, so a large
-            # pool costs no time at start and resident memory grows with use.
-            self.tensor = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+            # pool costs no time at start and resident memory grows with use. (All-zero bits are 0.0.)
+            self.tensor = torch.from_numpy(np.zeros(shape, dtype=_SAME_SIZE_NUMPY[dtype.itemsize])).view(dtype)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size

@@ -65,7 +65,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
-        out[rows] = _prefill(q[rows], k_cache, v_cache, span, scale, sliding_window)
+        out[rows] = _prefill(q[rows], k_cache, v_cache, span, scale, sliding_window)  # cast back by the copy
     return out
 
 
@@ -77,9 +77,9 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window)
     k = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, kv_heads, S, head_dim]
     v = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
     mask = meta.decode_mask(k.shape[2], sliding_window)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+    out = F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=mask,
                                          scale=scale, enable_gqa=True)  # [B, heads, 1, head_dim]
-    return out.squeeze(2)
+    return out.squeeze(2).to(q.dtype)
 
 
 def _prefill(q, k_cache, v_cache, span: PrefillSpan, scale, sliding_window):
@@ -87,17 +87,15 @@ def _prefill(q, k_cache, v_cache, span: PrefillSpan, scale, sliding_window):
     blocks = span.block_table[: -(-span.context_len // block_size)]
     k = _gather(k_cache, blocks)[: span.context_len].transpose(0, 1)[None]  # [1, kv_heads, ctx, head_dim]
     v = _gather(v_cache, blocks)[: span.context_len].transpose(0, 1)[None]
-    q = q.transpose(0, 1)[None]  # [1, heads, L, head_dim]
+    q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
     fresh = span.context_len == span.length
     if fresh and (sliding_window is None or span.context_len <= sliding_window):
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(span.context_len - span.length, span.context_len, device=q.device)[:, None]
         key_pos = torch.arange(span.context_len, device=q.device)[None, :]
         mask = key_pos <= query_pos  # [L, ctx]
         if sliding_window is not None:
             mask &= (query_pos - key_pos) < sliding_window
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -26,10 +26,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads = src.attention_heads(cfg.num_heads, cfg.num_kv_heads)  # this rank's, under tensor parallelism
+        self.num_heads, self.num_kv_heads, self.head_dim = len(heads.q), len(heads.kv), cfg.head_dim
+        q_rows, kv_rows = heads.q_rows(cfg.head_dim), heads.kv_rows(cfg.head_dim)
         biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else None
-        self.qkv = src.linear([p + f"attn_{x}.weight" for x in "qkv"], biases)
-        self.o = src.linear([p + "attn_output.weight"])
+        self.qkv = src.linear([p + f"attn_{x}.weight" for x in "qkv"], biases, "column", [q_rows, kv_rows, kv_rows])
+        self.o = src.linear([p + "attn_output.weight"], parallel="row", slices=[q_rows])
         self.q_norm = _norm(src, p + "attn_q_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = _norm(src, p + "attn_k_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
         sliding = cfg.is_sliding(layer)
@@ -59,8 +61,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."
-        self.gate_up = src.linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
-        self.down = src.linear([p + "ffn_down.weight"])
+        self.gate_up = src.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], parallel="column")
+        self.down = src.linear([p + "ffn_down.weight"], parallel="row")
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,16 @@ class Int4Groups:
     def map_rows(self, fn) -> "Int4Groups":
         return Int4Groups(fn(self.codes), fn(self.scale), fn(self.zero), self.group_size)
 
+    def narrow(self, dim: int, lo: int, hi: int) -> "Int4Groups | None":
+        """Rows (dim 0) or columns (dim 1) lo..hi; None when a column boundary falls inside a group."""
+        if dim == 0:
+            return self.map_rows(lambda x: x[lo:hi])
+        g = self.group_size
+        if lo % g or hi % g:
+            return None
+        return Int4Groups(self.codes[:, lo:hi].contiguous(), self.scale[:, lo // g:hi // g].contiguous(),
+                          self.zero[:, lo // g:hi // g].contiguous(), g)
+
     @staticmethod
     def cat(parts: list["Int4Groups"]) -> "Int4Groups":
         assert len({p.group_size for p in parts}) == 1

@@ -1,0 +1,279 @@
+"""`wallbreaker bench`: the same prompts and lengths through wallbreaker and its baselines (llama.cpp's
+benchmark tools, transformers `generate`), engines interleaved in every repetition (A/B/A/B, so a
+noisy spell on a shared machine hits all of them), medians over the repetitions, and the ratios.
+
+Metrics: prefill tokens/s and TTFT over one long prompt; decode tokens/s at batch 1; generation
+throughput with N concurrent sequences (generated tokens over the whole run's time, and over the
+decode phase alone, which is llama-batched-bench's S_TG); batch-1 decode as a fraction of the
+roofline bound (needs a stored bandwidth: run `wallbreaker roofline` once).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .reporting import bar_plot, markdown_table, median, write_json
+
+LABELS = {  # metric key -> (label, unit, higher is better)
+    "prefill_tps": ("prefill tokens/s", "tokens/s", True),
+    "ttft_ms": ("TTFT ms", "ms", False),
+    "decode_tps": ("decode tokens/s (batch 1)", "tokens/s", True),
+    "roofline_fraction": ("batch-1 decode / roofline bound", "fraction", True),
+    "spec_acceptance_rate": ("draft acceptance rate", "fraction", True),
+}
+
+
+def _conc_label(key: str) -> tuple[str, str, bool]:
+    kind, c = key.split("@")
+    text = "gen tokens/s, whole run" if kind == "gen_tps" else "gen tokens/s, decode phase"
+    return f"{text} @{c} seqs", "tokens/s", True
+
+
+def label(key: str) -> tuple[str, str, bool]:
+    return LABELS.get(key) or _conc_label(key)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported (default: 3)")
+    p.add_argument("--baselines", default="transformers,llama.cpp",
+                   help="comma-separated: transformers, llama.cpp, or none (default: both)")
+    p.add_argument("--llama-cpp-dir", default=None, help="folder with llama-bench etc. (else $LLAMA_CPP_DIR, PATH)")
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-prompt-tokens", type=int, default=16,
+                   help="prompt before the batch-1 decode (llama-bench's tg starts from an empty context)")
+    p.add_argument("--concurrency", default="4,16,32,64", help="concurrent sequences (comma-separated)")
+    p.add_argument("--concurrent-prompt-tokens", type=int, default=128)
+    p.add_argument("--concurrent-tokens", type=int, default=128)
+    p.add_argument("--hf-tokens", type=int, default=32,
+                   help="tokens transformers decodes (it is ~10x slower: batch 1, one run)")
+    p.add_argument("--json", dest="json_out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, default=None, help="write a bar chart (PNG) here")
+
+
+# -- engines ---------------------------------------------------------------------------------------
+class Wallbreaker:
+    """The engine under test; with speculation, only its batch-1 decode is measured."""
+
+    def __init__(self, args: argparse.Namespace, options: dict, name: str):
+        from .engine.llm import LLM
+        from .sampling_params import SamplingParams
+        from .workload import prompt_ids
+        self.args, self.name, self.max_runs = args, name, args.runs
+        self.spec = bool(options.get("speculative_method"))
+        self.llm = LLM(args.model, **options)
+        self.ids = lambda n, tag: prompt_ids(self.llm.tokenizer, n, tag)
+        self.params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        self.llm.generate([self.ids(32, f"warm-up {name}")], self.params(8))
+        self.notes = [f"{name}: loaded in {self.llm.load_time_s:.1f} s, dtype {options['dtype']}"]
+
+    def measure(self, rep: int) -> dict[str, float | None]:
+        a, out = self.args, {}
+        if not self.spec:
+            m = self.llm.generate([self.ids(a.prefill_tokens, f"prefill {rep}")], self.params(1))[0].metrics
+            out["prefill_tps"] = a.prefill_tokens / m["ttft_s"]
+            out["ttft_ms"] = m["ttft_s"] * 1000
+        m = self.llm.generate([self.ids(a.decode_prompt_tokens, f"decode {rep}")], self.params(a.decode_tokens))[0].metrics
+        out["decode_tps"] = m["decode_tokens_per_s"]
+        out["roofline_fraction"] = _fraction(self.llm, m["decode_tokens_per_s"], a.decode_prompt_tokens + a.decode_tokens // 2)
+        if self.spec:
+            out["spec_acceptance_rate"] = m.get("spec_acceptance_rate", 0.0)
+            return out
+        for c in _concurrency(a):
+            out.update(self._concurrent(c, rep))
+        return out
+
+    def _concurrent(self, c: int, rep: int) -> dict[str, float]:
+        a, counters = self.args, self.llm.engine.counters
+        before = dict(counters)
+        prompts = [self.ids(a.concurrent_prompt_tokens, f"conc {c} {rep} {i}") for i in range(c)]
+        start = time.perf_counter()
+        outs = self.llm.generate(prompts, self.params(a.concurrent_tokens))
+        wall = time.perf_counter() - start
+        generated = sum(o.metrics["num_generated_tokens"] for o in outs)
+        decode_s = counters["decode_time_s"] - before["decode_time_s"]
+        decode_tokens = counters["decode_tokens"] - before["decode_tokens"]
+        return {f"gen_tps@{c}": generated / wall, f"decode_tps@{c}": decode_tokens / decode_s if decode_s else None}
+
+
+def _concurrency(args: argparse.Namespace) -> list[int]:
+    return [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+
+
+def _fraction(llm: Any, tokens_per_s: float, context: int) -> float | None:
+    from .roofline import decode_bound_tokens_per_s
+    bound = decode_bound_tokens_per_s(llm, 1, context)
+    return tokens_per_s / bound if bound and tokens_per_s else None
+
+
+class LlamaCppBaseline:
+    name = "llama.cpp"
+
+    def __init__(self, args: argparse.Namespace, model_path: Path, threads: int):
+        from .baselines.llama_cpp import LlamaCpp
+        self.args, self.model_path, self.max_runs = args, model_path, args.runs
+        self.tool = LlamaCpp(args.llama_cpp_dir, threads)
+        self.notes = ["llama.cpp: TTFT is derived (prefill tokens / pp tokens/s); tg and batched-bench use "
+                      "random tokens; its roofline fraction counts the stored GGUF bytes and an f16 KV cache"]
+
+    def measure(self, rep: int) -> dict[str, float | None]:
+        from .formats import open_model
+        from .roofline import stored_bandwidth, stored_decode_bytes
+        a = self.args
+        b = self.tool.bench(self.model_path, a.prefill_tokens, a.decode_tokens)
+        out: dict[str, float | None] = {"prefill_tps": b.get("prefill_tokens_per_s"),
+                                        "decode_tps": b.get("decode_tokens_per_s")}
+        out["ttft_ms"] = 1000 * a.prefill_tokens / out["prefill_tps"] if out["prefill_tps"] else None
+        bandwidth = stored_bandwidth(self.tool.threads)
+        if bandwidth and out["decode_tps"]:
+            step = stored_decode_bytes(open_model(self.model_path), 1, a.decode_tokens // 2, kv_itemsize=2)
+            out["roofline_fraction"] = out["decode_tps"] / (bandwidth / step)
+        conc = _concurrency(a)
+        if conc:
+            rows = self.tool.batched_bench(self.model_path, a.concurrent_prompt_tokens, a.concurrent_tokens, conc)
+            for c in conc:
+                row = rows.get(c, {})
+                out[f"gen_tps@{c}"] = row.get("gen_tokens_per_s")
+                out[f"decode_tps@{c}"] = row.get("decode_tokens_per_s")
+        return out
+
+
+class TransformersBaseline:
+    name = "transformers"
+    max_runs = 1
+
+    def __init__(self, args: argparse.Namespace, model_path: Path, tokenizer: Any, threads: int):
+        from .baselines import transformers_hf
+        from .workload import prompt_ids
+        torch.set_num_threads(threads)
+        self.hf = transformers_hf
+        self.args, self.threads = args, threads
+        self.model, load_s = transformers_hf.load(model_path)
+        self.ids = lambda n, tag: prompt_ids(tokenizer, n, tag)
+        self.hf.timed_generate(self.model, self.ids(16, "warm-up hf"), 2)
+        self.notes = [f"transformers: float32 (dequantized), loaded in {load_s:.1f} s; batch 1 only, one run, "
+                      f"{args.hf_tokens} decoded tokens (it is ~10x slower)"]
+
+    def measure(self, rep: int) -> dict[str, float | None]:
+        a = self.args
+        seconds = self.hf.prefill_seconds(self.model, self.ids(a.prefill_tokens, f"prefill {rep}"))
+        g = self.hf.timed_generate(self.model, self.ids(a.decode_prompt_tokens, f"decode {rep}"), a.hf_tokens)
+        out: dict[str, float | None] = {"prefill_tps": a.prefill_tokens / seconds, "ttft_ms": seconds * 1000,
+                                        "decode_tps": g["decode_tokens_per_s"]}
+        from .roofline import stored_bandwidth
+        bandwidth = stored_bandwidth(self.threads)
+        if bandwidth:
+            cfg = self.model.config
+            kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
+                getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads) * 4
+            step = self.hf.weight_bytes(self.model) + kv * (a.decode_prompt_tokens + a.hf_tokens // 2)
+            out["roofline_fraction"] = g["decode_tokens_per_s"] / (bandwidth / step)
+        return out
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def _engines(args: argparse.Namespace, threads: int) -> tuple[list[Any], list[str]]:
+    from .cli import engine_options
+    from .formats import resolve_model_path
+    options = engine_options(args)
+    options["num_threads"] = threads
+    spec = options.get("speculative_method")
+    engines: list[Any] = [Wallbreaker(args, {**options, "speculative_method": None}, "wallbreaker")]
+    if spec:
+        engines.append(Wallbreaker(args, options, f"wallbreaker+{spec}"))
+    notes: list[str] = []
+    wanted = {b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"}
+    unknown = wanted - {"transformers", "llama.cpp"}
+    if unknown:
+        from .errors import InvalidRequestError
+        raise InvalidRequestError(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose transformers, llama.cpp or none")
+    path = resolve_model_path(args.model)
+    if "llama.cpp" in wanted:
+        from .baselines.llama_cpp import LlamaCpp
+        if path.is_dir():
+            notes.append("llama.cpp skipped: the model is a Hugging Face folder, not a GGUF file")
+        elif not LlamaCpp(args.llama_cpp_dir).available():
+            notes.append("llama.cpp skipped: llama-bench not found (give --llama-cpp-dir or set LLAMA_CPP_DIR)")
+        else:
+            engines.append(LlamaCppBaseline(args, path, threads))
+    if "transformers" in wanted:
+        try:
+            engines.append(TransformersBaseline(args, path, engines[0].llm.tokenizer, threads))
+        except Exception as e:  # a baseline that cannot load is reported, not fatal
+            notes.append(f"transformers skipped: {type(e).__name__}: {e}")
+    return engines, notes
+
+
+def run(args: argparse.Namespace) -> int:
+    threads = args.num_threads or torch.get_num_threads()
+    engines, notes = _engines(args, threads)
+    samples: dict[str, dict[str, list[float]]] = {e.name: {} for e in engines}
+    for rep in range(args.runs):
+        for engine in engines:
+            if rep >= engine.max_runs:
+                continue
+            print(f"[run {rep + 1}/{args.runs}] {engine.name} ...", file=sys.stderr, flush=True)
+            try:
+                measured = engine.measure(rep)
+            except Exception as e:
+                if engine.name.startswith("wallbreaker"):
+                    raise
+                notes.append(f"{engine.name} run {rep + 1} failed: {e}")
+                continue
+            for key, value in measured.items():
+                if value is not None:
+                    samples[engine.name].setdefault(key, []).append(value)
+    for e in engines:
+        notes += e.notes
+    report = summarize(samples, args, threads, notes)
+    print(render(report))
+    if args.json_out:
+        write_json(args.json_out, report)
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    if args.plot:
+        groups = {label(k)[0]: {e: report["medians"][e].get(k) for e in report["medians"]} for k in report["metrics"]}
+        bar_plot(groups, args.plot, f"{report['model']} ({args.dtype}, {threads} threads), medians of {args.runs}",
+                 {label(k)[0]: label(k)[1] for k in report["metrics"]})
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def summarize(samples: dict[str, dict[str, list[float]]], args: argparse.Namespace, threads: int,
+              notes: list[str]) -> dict:
+    from .formats import resolve_model_path
+    from .roofline import stored_bandwidth
+    metrics = list(dict.fromkeys(k for per in samples.values() for k in per))
+    medians = {e: {k: median(v) for k, v in per.items()} for e, per in samples.items()}
+    ours = medians.get("wallbreaker", {})
+    ratios = {e: {k: ours[k] / m[k] for k in m if ours.get(k) and m.get(k)}
+              for e, m in medians.items() if e != "wallbreaker"}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    bandwidth = stored_bandwidth(threads)
+    if bandwidth is None:
+        notes.append("no stored bandwidth: run `wallbreaker roofline` once for roofline fractions")
+    return {"model": resolve_model_path(args.model).name, "config": config, "threads": threads,
+            "bandwidth_bytes_per_s": bandwidth, "metrics": metrics, "samples": samples, "medians": medians,
+            "ratios": ratios, "notes": notes, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def render(report: dict) -> str:
+    engines = list(report["medians"])
+    baselines = [e for e in engines if e in report["ratios"]]
+    headers = ["metric"] + engines + [f"wallbreaker / {b}" for b in baselines]
+    rows = []
+    for key in report["metrics"]:
+        text, _, higher = label(key)
+        row: list[Any] = [text + ("" if higher else " (lower is better)")]
+        row += [report["medians"][e].get(key) for e in engines]
+        row += [f"{report['ratios'][b][key]:.2f}x" if key in report["ratios"][b] else None for b in baselines]
+        rows.append(row)
+    lines = [f"{report['model']}, {report['threads']} threads, medians of {report['config']['runs']} run(s)", "",
+             markdown_table(headers, rows, 2)]
+    if report["notes"]:
+        lines += [""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""Row and column ranges of a memory-mapped GGUF tensor, decoded without reading the rest.
+
+Rows are contiguous in the file, so a row range is one span of the map. A column range reads, from
+every row, just the stored blocks that cover it: when its ends fall on block boundaries the blocks
+are exactly the slice; otherwise the covering blocks are decoded and trimmed (at most two blocks
+a row of waste). llama q/k rows are un-permuted per head, so a row range must hold whole heads.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..quant.int4 import Int4Groups, int4_from_gguf
+from .dequant import block_info, dequantize
+from .gguf_file import GGUFTensor
+from .names import llama_unpermute
+
+GGUF_INT4_GROUP = 32
+
+PartLoader = Callable[[int, int, int], torch.Tensor]
+
+
+def part_loaders(t: GGUFTensor, heads: int | None) -> tuple[PartLoader | None, Callable | None]:
+    """(load_part, int4_part) for `WeightRef`: (dim, lo, hi) -> float32 canonical slice / its int4
+    groups (None where a column boundary cuts a group)."""
+    block, size = block_info(t.ggml_type)
+    if len(t.shape) > 2 or (len(t.shape) == 1 and block > 1):
+        return None, None
+    rows_n = t.shape[0]
+    grid = t.raw.reshape(rows_n, -1)  # [rows, stored bytes per row]
+
+    def unpermute(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        if heads is None:
+            return x
+        head_dim = rows_n // heads
+        assert lo % head_dim == 0 and hi % head_dim == 0, f"{t.name}: rows {lo}..{hi} cut a head"
+        return llama_unpermute(x, (hi - lo) // head_dim)
+
+    def covering(lo: int, hi: int) -> tuple[np.ndarray, int, int]:
+        """The stored blocks that cover columns lo..hi of every row, their first column and width."""
+        first, last = lo // block, -(-hi // block)
+        return grid[:, first * size:last * size], first * block, (last - first) * block
+
+    def load_part(dim: int, lo: int, hi: int) -> torch.Tensor:
+        if dim == 0:
+            return unpermute(dequantize(grid[lo:hi], t.ggml_type, (hi - lo, *t.shape[1:])), lo, hi)
+        part, start, width = covering(lo, hi)
+        x = dequantize(part, t.ggml_type, (rows_n, width))
+        if (start, width) != (lo, hi - lo):
+            x = x[:, lo - start:hi - start].clone()
+        return unpermute(x, 0, rows_n)
+
+    def int4_part(dim: int, lo: int, hi: int) -> Int4Groups | None:
+        if dim == 0:
+            groups = int4_from_gguf(grid[lo:hi], t.ggml_type, (hi - lo, t.shape[1]))
+            return groups.map_rows(lambda x: unpermute(x, lo, hi))
+        if lo % GGUF_INT4_GROUP or hi % GGUF_INT4_GROUP:
+            return None
+        part, start, width = covering(lo, hi)
+        groups = int4_from_gguf(part, t.ggml_type, (rows_n, width)).map_rows(lambda x: unpermute(x, 0, rows_n))
+        return groups.narrow(1, lo - start, hi - start)
+
+    return load_part, int4_part

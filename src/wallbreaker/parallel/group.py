@@ -1,0 +1,73 @@
+"""The process group: gloo on the CPU, NCCL on CUDA, plus a gloo control group for step broadcasts.
+
+The model's collectives (all-reduce, gather) run under a short timeout, so that a worker that dies
+or hangs mid-step fails the engine within it. Workers wait for the next step on the control group,
+whose timeout is practically infinite: an idle engine (a server with no requests) must not time its
+workers out. A peer that dies still fails a control broadcast at once (its socket closes).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidRequestError
+
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class ParallelGroup:
+    rank: int
+    world_size: int
+    local_world_size: int  # ranks on this machine, which share its cores
+    device: torch.device
+    control: dist.ProcessGroup  # gloo: step broadcasts, start-up and shutdown
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_group(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float,
+               local_world_size: int) -> ParallelGroup:
+    if dist.is_initialized():
+        raise InvalidRequestError("a torch.distributed process group is already initialized in this process; "
+                                  "one tensor-parallel engine per process (call shutdown() on the other)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return ParallelGroup(rank, world_size, local_world_size, device, control)
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env() -> dict[str, int] | None:
+    """rank, world_size, local_rank, local_world_size when launched by torchrun (or any launcher
+    that sets its environment variables), else None."""
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    return {"rank": int(os.environ["RANK"]), "world_size": world,
+            "local_rank": int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", world))}
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """The machine's cores shared by the ranks on it (oversubscribed threads slow every rank)."""
+    return max(1, (os.cpu_count() or 1) // local_world_size)
