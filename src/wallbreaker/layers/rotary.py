@@ -16,14 +16,15 @@ class RotaryEmbedding(nn.Module):
         self.key = (head_dim, theta, scaling_factor)  # layers with equal keys share one cos/sin per step
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, [T, 1, head_dim]: apply() is then one roll and three products."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
-        return emb.cos(), emb.sin()
+        half = emb.shape[-1] // 2
+        sin = emb.sin()
+        sin[:, :half].neg_()  # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1.., 1..]; the sign is exact
+        return emb.cos()[:, None, :], sin[:, None, :]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        """x: [T, heads, head_dim]; cos, sin from cos_sin()."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
