@@ -118,6 +118,7 @@ class LlamaCppBaseline:
         from .baselines.llama_cpp import LlamaCpp
         self.args, self.model_path, self.max_runs = args, model_path, args.runs
         self.tool = LlamaCpp(args.llama_cpp_dir, threads)
+        self.files = None
         self.notes = ["llama.cpp: TTFT is derived (prefill tokens / pp tokens/s); tg and batched-bench use "
                       "random tokens; its roofline fraction counts the stored GGUF bytes and an f16 KV cache"]
 
@@ -131,7 +132,8 @@ class LlamaCppBaseline:
         out["ttft_ms"] = 1000 * a.prefill_tokens / out["prefill_tps"] if out["prefill_tps"] else None
         bandwidth = stored_bandwidth(self.tool.threads)
         if bandwidth and out["decode_tps"]:
-            step = stored_decode_bytes(open_model(self.model_path), 1, a.decode_tokens // 2, kv_itemsize=2)
+            self.files = self.files or open_model(self.model_path)
+            step = stored_decode_bytes(self.files, 1, a.decode_tokens // 2, kv_itemsize=2)
             out["roofline_fraction"] = out["decode_tps"] / (bandwidth / step)
         conc = _concurrency(a)
         if conc:

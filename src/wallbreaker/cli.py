@@ -167,6 +167,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         method=args.method, bits=args.bits, group_size=args.group_size or (32 if gguf_out else 128),
         sym=args.sym if args.sym is not None else (gguf_out and args.bits == 8), act_order=args.act_order,
         nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed, calib=args.calib, damp=args.damp,
+        true_sequential=args.true_sequential,
         awq_grid=args.awq_grid, mixed_quantizer=args.mixed_quantizer,
         sensitivity_samples=args.sensitivity_samples)
     qm = quantize_to(args.model, args.out, cfg)
@@ -223,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default: 512)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, fraction of the mean diagonal")
+    p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: capture each Linear's inputs after the ones before it are quantized (default: on)")
     p.add_argument("--awq-grid", type=int, default=20, help="AWQ: alpha in {0, 1/n, ..., 1} (default: 20)")
     p.add_argument("--mixed-quantizer", choices=["gptq", "rtn"], default="gptq")
     p.add_argument("--sensitivity-samples", type=int, default=8, help="mixed: sequences for sensitivities")

@@ -18,12 +18,14 @@ def fmt(value: Any, digits: int = 1) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1) -> str:
+    """Numbers right-aligned, text left-aligned, None as a dash."""
     cells = [[str(h) for h in headers]] + [[fmt(v, digits) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |",
              "| " + " | ".join("-" * w for w in widths) + " |"]
-    lines += ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-              + " |" for row in cells[1:]]
+    for values, row in zip(rows, cells[1:]):
+        lines.append("| " + " | ".join(c.rjust(w) if isinstance(v, (int, float)) else c.ljust(w)
+                                       for v, c, w in zip(values, row, widths)) + " |")
     return "\n".join(lines)
 
 

@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         from .cli import load_llm
         llm = load_llm(args)
     cost = llm_cost(llm)
-    lines.append(f"Model {llm.files.path.name} (dtype {llm.config.dtype}, KV cache {llm.kv_cache.tensor.dtype}):")
+    kv_dtype = str(llm.kv_cache.tensor.dtype).removeprefix("torch.")
+    lines.append(f"Model {llm.files.path.name} (dtype {llm.config.dtype}, KV cache {kv_dtype}):")
     more, bounds = cost_lines(cost, bandwidth, flops)
     lines += more
     report.update(model=str(llm.files.path), dtype=llm.config.dtype, weight_bytes=cost.weight_bytes,

@@ -11,6 +11,7 @@ from ..errors import InvalidRequestError
 from ..formats.tokenizer import Tokenizer
 from ..kv import BlockManager
 from ..layers.sampler import processed_probs, sample
+from ..roofline import roofline_fraction
 from ..spec.rejection import verify
 from ..spec.speculator import Speculator
 from ..sampling_params import SamplingParams
@@ -274,6 +275,9 @@ class LLMEngine:
             metrics["e2e_s"] = last - request.arrival_time
             decode_tokens = generated - len(seqs)
             metrics["decode_tokens_per_s"] = decode_tokens / (last - first) if last > first and decode_tokens > 0 else 0.0
+        fraction = roofline_fraction(self.runner.model, self.runner.kv_cache, metrics)
+        if fraction is not None:
+            metrics["roofline_fraction"] = fraction
         return metrics
 
     def stats(self) -> dict:
