@@ -3,17 +3,20 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
 from ..errors import InvalidRequestError
-from ..formats import open_model
+from ..formats import ModelFiles, open_model
 from ..kv import BlockManager, BlockPool, KVCache
 from ..kv.cache import default_num_blocks
 from ..layers.linear import module_bytes
 from ..models import WeightSource, build_model
+from ..models.llama import CausalLM
+from ..parallel.shard import Shard, check_splittable, local_kv_config
 from ..sampling_params import SamplingParams
 from ..spec.draft import DraftProposer
 from ..spec.speculator import Speculator
@@ -41,6 +44,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_adaptive: bool = True
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -58,6 +63,10 @@ class EngineConfig:
             raise InvalidRequestError("speculative_method='draft' needs speculative_model (a path or packaged name)")
         if self.speculative_method and not 1 <= self.num_speculative_tokens <= 32:
             raise InvalidRequestError("num_speculative_tokens must be between 1 and 32")
+        if int(self.tensor_parallel_size) < 1:
+            raise InvalidRequestError("tensor_parallel_size must be at least 1")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise InvalidRequestError("tensor_parallel_timeout_s must be positive")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -75,6 +84,19 @@ class EngineConfig:
         return self.dtype == "auto" and torch.device(self.device).type == "cpu"
 
 
+def load_model(files: ModelFiles, config: EngineConfig, device: torch.device, shard: Shard | None = None) -> CausalLM:
+    """The model, or under tensor parallelism this rank's shard of it."""
+    with torch.device(device):
+        return build_model(files.config, WeightSource(files.weights, config.torch_dtype, config.packed_weights, shard))
+
+
+def make_kv_cache(files: ModelFiles, config: EngineConfig, num_blocks: int, device: torch.device,
+                  shard: Shard | None = None) -> KVCache:
+    """The KV pool; a tensor-parallel rank's holds the same blocks, for its own KV heads only."""
+    model_config = files.config if shard is None else local_kv_config(files.config, shard)
+    return KVCache(model_config, num_blocks, config.kv_block_size, config.kv_cache_dtype, device)
+
+
 PromptType = str | list[int] | dict
 
 
@@ -82,6 +104,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **options: Any):
         start = time.perf_counter()
         self.config = EngineConfig(model=model, **options)
+        self.workers = None  # parallel.launcher.Workers, under tensor parallelism
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         files = open_model(model)
@@ -90,24 +113,51 @@ class LLM:
         self.tokenizer = files.tokenizer
         self.chat_template = files.chat_template
         device = torch.device(self.config.device)
-        dtype = self.config.torch_dtype
-        with torch.device(device):
-            self.model = build_model(files.config, WeightSource(files.weights, dtype, self.config.packed_weights))
         max_len = min(self.config.max_model_len or files.config.max_position_embeddings,
                       files.config.max_position_embeddings)
         self.max_model_len = max_len
         bs = self.config.kv_block_size
-        kv_dtype = self.config.kv_cache_dtype
-        num_blocks = default_num_blocks(files.config, bs, kv_dtype, self.config.kv_cache_memory_gb,
-                                        self.config.max_num_seqs * max_len)
-        self.kv_cache = KVCache(files.config, num_blocks, bs, kv_dtype, device)
+        if self.config.tensor_parallel_size == 1:
+            self.model = load_model(files, self.config, device)
+            num_blocks = self._num_blocks(max_len)
+            self.kv_cache = make_kv_cache(files, self.config, num_blocks, device)
+            runner = ModelRunner(self.model, self.kv_cache, device)
+        else:
+            num_blocks = self._num_blocks(max_len)
+            runner = self._start_tensor_parallel(files, num_blocks)
+            self.model, self.kv_cache = runner.model, runner.kv_cache
         block_manager = BlockManager(BlockPool(num_blocks, self.config.enable_prefix_caching), bs)
         scheduler = Scheduler(block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
-        self.engine = LLMEngine(ModelRunner(self.model, self.kv_cache, device), self.tokenizer, block_manager,
-                                scheduler, max_len, eos, self._speculator(max_len))
+        self.engine = LLMEngine(runner, self.tokenizer, block_manager, scheduler, max_len, eos,
+                                self._speculator(max_len))
         self.weight_bytes_resident = module_bytes(self.model)
         self.load_time_s = time.perf_counter() - start
+
+    def _num_blocks(self, max_len: int) -> int:
+        """KV blocks for the whole model (under tensor parallelism each rank holds its heads' share)."""
+        c = self.config
+        return default_num_blocks(self.model_config, c.kv_block_size, c.kv_cache_dtype, c.kv_cache_memory_gb,
+                                  c.max_num_seqs * max_len)
+
+    def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int) -> ModelRunner:
+        """Start the workers (or join torchrun's ranks) and load rank 0's shard; see parallel/."""
+        from ..parallel.launcher import launch
+        check_splittable(files.config, self.config.tensor_parallel_size)
+        self.workers = launch(self.config)
+        weakref.finalize(self, self.workers.shutdown)  # an LLM dropped without shutdown() still stops them
+        return self.workers.start_runner(files, self.config, num_blocks)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def _speculator(self, max_len: int) -> Speculator | None:
         c = self.config

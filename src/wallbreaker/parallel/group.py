@@ -1,13 +1,16 @@
-"""The process group: gloo on the CPU, NCCL on CUDA, plus a gloo control group for step broadcasts.
+"""The process groups: one for the model's collectives (gloo on the CPU, NCCL on CUDA) and a gloo
+control group for start-up, step broadcasts and shutdown.
 
-The model's collectives (all-reduce, gather) run under a short timeout, so that a worker that dies
-or hangs mid-step fails the engine within it. Workers wait for the next step on the control group,
-whose timeout is practically infinite: an idle engine (a server with no requests) must not time its
-workers out. A peer that dies still fails a control broadcast at once (its socket closes).
+The model's collectives (all-reduce, gather) run under the short `tensor_parallel_timeout_s`, so that
+a worker that dies or hangs mid-step fails the engine within it. Workers wait for the next step on
+the control group, whose timeout is practically infinite: an idle engine (a server with no
+requests) must not time its workers out. A peer that dies still fails a control broadcast at once
+(its socket closes). The rendezvous itself waits at least START_TIMEOUT_S for workers to start.
 """
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from ..errors import InvalidRequestError
 
 IDLE_TIMEOUT = timedelta(days=365)
+START_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class ParallelGroup:
     world_size: int
     local_world_size: int  # ranks on this machine, which share its cores
     device: torch.device
+    model: dist.ProcessGroup  # the model's all-reduces and the logits gather, under the short timeout
     control: dist.ProcessGroup  # gloo: step broadcasts, start-up and shutdown
 
 
@@ -33,17 +38,22 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_group(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float,
-               local_world_size: int) -> ParallelGroup:
+def check_no_group() -> None:
     if dist.is_initialized():
         raise InvalidRequestError("a torch.distributed process group is already initialized in this process; "
                                   "one tensor-parallel engine per process (call shutdown() on the other)")
+
+
+def init_group(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float,
+               local_world_size: int) -> ParallelGroup:
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    backend = backend_for(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=max(timeout_s, START_TIMEOUT_S)))
+    model = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return ParallelGroup(rank, world_size, local_world_size, device, control)
+    return ParallelGroup(rank, world_size, local_world_size, device, model, control)
 
 
 def destroy_group() -> None:
@@ -71,3 +81,9 @@ def torchrun_env() -> dict[str, int] | None:
 def threads_per_rank(local_world_size: int) -> int:
     """The machine's cores shared by the ranks on it (oversubscribed threads slow every rank)."""
     return max(1, (os.cpu_count() or 1) // local_world_size)
+
+
+def error_line(e: BaseException) -> str:
+    """One line for a user: the first of the message, without gloo's "[.../pair.cc:553] " prefix."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". This is typically caused")[0]
+    return text.splitlines()[0] if text else type(e).__name__

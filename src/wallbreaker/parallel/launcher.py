@@ -23,7 +23,8 @@ import torch.distributed as dist
 from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.weights import ModelFiles
 from .channel import StepChannel
-from .group import ParallelGroup, destroy_group, free_port, init_group, threads_per_rank, torchrun_env
+from .group import (ParallelGroup, check_no_group, destroy_group, error_line, free_port, init_group,
+                    threads_per_rank, torchrun_env)
 from .runner import ParallelModelRunner
 from .shard import Shard, rank_device
 
@@ -36,6 +37,7 @@ def launch(config) -> "Workers":
     Under torchrun, the ranks other than 0 serve model steps in here and end the process when rank 0
     stops them: `LLM(...)` never returns on them."""
     size, timeout = config.tensor_parallel_size, config.tensor_parallel_timeout_s
+    check_no_group()
     threads_before = torch.get_num_threads()
     env = torchrun_env()
     procs: dict[int, subprocess.Popen] = {}
@@ -53,10 +55,10 @@ def launch(config) -> "Workers":
         try:
             group = init_group(0, size, f"tcp://127.0.0.1:{port}", rank_device(config.device, 0), timeout, size)
         except BaseException as e:
+            died = _describe_deaths(procs)  # before the kill, which ends the rest
             _kill(procs.values())
             if isinstance(e, RuntimeError):
-                raise WorkerFailedError(f"tensor-parallel workers did not start: {_first_line(e)}; "
-                                        f"{_describe_deaths(procs) or 'none exited'}") from None
+                raise WorkerFailedError(f"tensor-parallel workers did not start ({died or error_line(e)})") from None
             raise
     torch.set_num_threads(config.num_threads or threads_per_rank(group.local_world_size))
     return Workers(group, procs, threads_before)
@@ -84,14 +86,15 @@ class Workers:
 
     def start_runner(self, files: ModelFiles, config, num_blocks: int) -> ParallelModelRunner:
         """Hand the workers the model and its KV pool size, load rank 0's shard, wait for all."""
-        from ..engine.llm import build_model_and_cache
+        from ..engine.llm import load_model, make_kv_cache
         spec = {"config": {**dataclasses.asdict(config), "model": None}, "model_path": str(files.path),
                 "num_blocks": num_blocks}
         try:
             dist.broadcast_object_list([spec], src=0, group=self.group.control)
             self._state = "loading"
-            model, kv_cache = build_model_and_cache(files, config, num_blocks, self.group.device,
-                                                    Shard(0, self.group.world_size))
+            shard = Shard(0, self.group.world_size, self.group.model)
+            model = load_model(files, config, self.group.device, shard)
+            kv_cache = make_kv_cache(files, config, num_blocks, self.group.device, shard)
             dist.barrier(group=self.group.control)
         except RuntimeError as e:
             raise self.fail(e) from None
@@ -108,7 +111,7 @@ class Workers:
             while self.procs and not self._failed_deaths() and time.monotonic() < deadline:
                 time.sleep(0.02)
             died = _describe_deaths(self.procs, self._failed_deaths())
-            cause = died or f"a collective failed: {_first_line(error)}"
+            cause = died or f"step failed ({error_line(error)})"
             self.error = WorkerFailedError(f"tensor-parallel {cause}; the engine has shut down")
             self._teardown()
         return self.error
@@ -117,20 +120,23 @@ class Workers:
         """Stop the workers (they exit 0) and leave the process group."""
         if self._state == "stopped":
             return
+        told = False
         try:
-            if self.error is None and self._state == "started":
+            if self._state == "started":
                 dist.broadcast_object_list([None], src=0, group=self.group.control)
-            elif self.error is None and self._state == "running":
+                told = True
+            elif self._state == "running":
                 self.channel.send_stop()
+                told = True
         except RuntimeError:
             pass
         deadline = time.monotonic() + 10.0
-        for proc in self.procs.values():
+        for proc in self.procs.values() if told else ():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        self._teardown()
+        self._teardown()  # whoever was not told (still loading) or did not listen is killed
 
     def _teardown(self) -> None:
         self._state = "stopped"
@@ -184,8 +190,3 @@ def _describe_deaths(procs: dict[int, subprocess.Popen], deaths: list[tuple[int,
     else:
         how = f"exited with code {code}"
     return f"worker rank {rank} {how}"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -26,3 +26,6 @@ class ParallelModelRunner(ModelRunner):
             return super().execute(step)
         except RuntimeError as e:  # torch.distributed reports a dead or timed-out peer as RuntimeError
             raise self.workers.fail(e) from None
+        except BaseException as e:  # anything else mid-step leaves the ranks out of step: stop them too
+            self.workers.fail(e)
+            raise

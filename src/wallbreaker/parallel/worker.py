@@ -18,13 +18,13 @@ import torch.distributed as dist
 
 from ..formats import open_model
 from .channel import StepChannel
-from .group import ParallelGroup, destroy_group, init_group, threads_per_rank
+from .group import ParallelGroup, destroy_group, error_line, init_group, threads_per_rank
 from .shard import Shard
 
 
 def serve(group: ParallelGroup) -> None:
     """Take the engine's spec from rank 0, load this rank's shard, run steps until rank 0 stops."""
-    from ..engine.llm import EngineConfig, build_model_and_cache
+    from ..engine.llm import EngineConfig, load_model, make_kv_cache
     from ..engine.model_runner import ModelRunner
 
     box: list = [None]
@@ -35,9 +35,9 @@ def serve(group: ParallelGroup) -> None:
     config = EngineConfig(**spec["config"])
     torch.set_num_threads(config.num_threads or threads_per_rank(group.local_world_size))
     files = open_model(spec["model_path"])
-    model, kv_cache = build_model_and_cache(files, config, spec["num_blocks"], group.device,
-                                            Shard(group.rank, group.world_size))
-    runner = ModelRunner(model, kv_cache, group.device)
+    shard = Shard(group.rank, group.world_size, group.model)
+    model = load_model(files, config, group.device, shard)
+    runner = ModelRunner(model, make_kv_cache(files, config, spec["num_blocks"], group.device, shard), group.device)
     dist.barrier(group=group.control)
     channel = StepChannel(group.control, group.device)
     while (step := channel.recv()) is not None:
@@ -49,8 +49,7 @@ def run_rank(group: ParallelGroup) -> int:
     try:
         serve(group)
     except Exception as e:  # noqa: BLE001 -- any failure ends this rank; rank 0 reports it
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"wallbreaker: tensor-parallel worker rank {group.rank}: {message}", file=sys.stderr, flush=True)
+        print(f"wallbreaker: tensor-parallel worker rank {group.rank}: {error_line(e)}", file=sys.stderr, flush=True)
         os._exit(1)  # a broken process group may hang an orderly exit
     destroy_group()
     return 0
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         group = init_group(args.rank, args.world_size, args.init_method, torch.device(args.device), args.timeout,
                            args.world_size)
     except Exception as e:  # noqa: BLE001
-        print(f"wallbreaker: tensor-parallel worker rank {args.rank}: cannot join the group: {e}",
+        print(f"wallbreaker: tensor-parallel worker rank {args.rank}: cannot join the group: {error_line(e)}",
               file=sys.stderr, flush=True)
         return 1
     return run_rank(group)
