@@ -1,11 +1,20 @@
 """Shared fixtures: the tiny models (built once per session) and real model paths (or a skip)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import TinyModel, make_tiny_model
+
+
+# Tests check behaviour, not speed: one thread per process. Several processes (the test runner, a
+# server, tensor-parallel workers) each spinning two OpenMP threads on two cores slow each other
+# down by an order of magnitude.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 def _tiny(arch: str, factory: pytest.TempPathFactory) -> TinyModel:

@@ -99,3 +99,13 @@ def test_real_model_matches_transformers(alias, packaged_model):
     with torch.no_grad():
         expected_last = ref(torch.tensor([ids])).logits[0, -1]
     assert (llm.logits(ids)[-1] - expected_last).abs().max().item() < 1e-3
+
+
+def test_auto_path_runs_a_tied_4bit_embedding(tiny_qwen2):
+    """Qwen2's head is tied; stored as Q4_0 it becomes an int4 head and rows come from the blocks."""
+    path = tiny_qwen2.quantized_gguf(__import__("gguf").GGMLQuantizationType.Q4_0)
+    exact = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
+    packed = LLM(str(path), dtype="auto", kv_cache_memory_gb=0.02)
+    ids = exact.tokenizer.encode(" ".join(PROMPTS))[:40]
+    a, b = exact.logits(ids), packed.logits(ids)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99

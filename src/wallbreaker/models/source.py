@@ -83,7 +83,9 @@ class WeightSource:
             head = Linear(embedding.weight) if tie_word_embeddings else self.linear(["output.weight"])
         elif tie_word_embeddings:
             head = self.linear([name])
-            embedding = head.as_embedding(self.dtype)
+            # an int8 head is also read by rows; an int4 one is not, so rows come from the stored blocks
+            embedding = head.as_embedding(self.dtype) if isinstance(head, Int8Linear) \
+                else self._embedding(ref, range(ref.shape[0]))
         else:
             embedding = self._embedding(ref, range(ref.shape[0]))
             head = self.linear(["output.weight"])
