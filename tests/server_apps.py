@@ -15,7 +15,7 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
 def make_app(model: Path, *, max_model_len: int = 64, max_num_seqs: int = 4, **server_options) -> FastAPI:
-    llm = LLM(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    llm = LLM(model, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     return build_app(llm, **server_options)
 
 

@@ -27,7 +27,8 @@ class ServerProcess:
         log = open(log_path, "w") if log_path else subprocess.DEVNULL
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "wallbreaker.cli", "serve", "--model", str(model), "--port", str(self.port), *args],
+            [sys.executable, "-m", "wallbreaker.cli", "serve", "--model", str(model), "--port", str(self.port),
+             "--dtype", "float32", *args],
             stdout=log, stderr=subprocess.STDOUT, env=env)
         if log_path:
             log.close()

@@ -29,7 +29,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama) -> LLM:
-    return LLM(tiny_llama.gguf_path)
+    return LLM(tiny_llama.gguf_path, dtype="float32")  # the exact path: answers equal whatever the batch
 
 
 def _stream_texts(stream) -> tuple[dict[int, str], dict[int, str | None], list]:

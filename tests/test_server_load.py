@@ -60,7 +60,7 @@ async def _run_clients(url: str, leavers: set[int]) -> list:
 def test_concurrent_streams_get_full_answers_and_leavers_free_their_blocks(server, tiny_llama):
     leavers = set(range(3, N_CLIENTS, 4))
     stayers = [i for i in range(N_CLIENTS) if i not in leavers]
-    expected = LLM(tiny_llama.gguf_path).generate([_prompt(i) for i in stayers],
+    expected = LLM(tiny_llama.gguf_path, dtype="float32").generate([_prompt(i) for i in stayers],
                                                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     aborted_before = scrape_metrics(server.url)[ABORTED]
 
