@@ -222,7 +222,9 @@ def test_logprobs_are_raw_log_softmax():
               SamplingParams(top_p=0.3)]
     out = sample(logits, params, [[0, 1]] * 3, empty(3), [torch.Generator().manual_seed(1), None, None])
     raw = torch.log_softmax(logits, dim=-1)
-    assert torch.allclose(out.logprobs, raw.gather(1, out.token_ids[:, None]).squeeze(1))
+    # rows that asked get the raw log-softmax; the third did not ask and gets 0.0
+    assert torch.allclose(out.logprobs[:2], raw.gather(1, out.token_ids[:, None]).squeeze(1)[:2])
+    assert out.logprobs[2] == 0.0
     top = out.top_logprobs
     assert top is not None and len(top[0]) == 5 and top[1] == [] and top[2] == []
     assert [lp for _, lp in top[0]] == sorted((lp for _, lp in top[0]), reverse=True)

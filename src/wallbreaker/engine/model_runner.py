@@ -81,6 +81,7 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> torch.Tensor:
         """The model over one step's inputs: K/V written into the cache, logits of `step.logit_rows`."""
         self.kv_cache.copy_blocks(step.copies)
+        step.meta.block_size = self.kv_cache.block_size
         hidden = self.model(step.input_ids, step.meta.positions, step.meta)
         if step.logit_rows is None:
             return self.model.logits(hidden)

@@ -1,42 +1,43 @@
 """The KV tensors: every layer's K and V blocks in one preallocated pool tensor,
-[layers, K/V, blocks, block_size, kv_heads, head_dim]. Zero-filled: attention masks the unused
-slots of a gathered block, and a masked zero contributes nothing where garbage could be NaN."""
+[layers, K/V, kv_heads, blocks * block_size, head_dim]: a block is `block_size` consecutive slots.
+Heads outermost, so gathering a sequence's slots yields [kv_heads, tokens, head_dim], the layout
+attention multiplies with, without a transposing copy.
+
+Zero-filled (attention masks the unused slots of a gathered block; a masked zero contributes
+nothing where garbage could be NaN) and touched up front: a first write to a fresh page costs a
+page fault, which showed up as a tenth of a batched decode step."""
 from __future__ import annotations
 
-import numpy as np
 import psutil
 import torch
 
 from ..config import ModelConfig
 
 
-_SAME_SIZE_NUMPY = {4: np.int32, 2: np.int16}
-
-
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        if torch.device(device).type == "cpu" and dtype.itemsize in _SAME_SIZE_NUMPY:
-            # calloc'd by numpy: the OS hands out zero pages as blocks are first written, so a large
-            # pool costs no time at start and resident memory grows with use. (All-zero bits are 0.0.)
-            self.tensor = torch.from_numpy(np.zeros(shape, dtype=_SAME_SIZE_NUMPY[dtype.itemsize])).view(dtype)
-        else:
-            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (config.num_layers, 2, config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer i: [kv_heads, slots, head_dim] each."""
         return self.tensor[i, 0], self.tensor[i, 1]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.tensor.device)
-            dst = torch.tensor([d for _, d in copies], device=self.tensor.device)
-            self.tensor[:, :, dst] = self.tensor[:, :, src]
+            offsets = torch.arange(self.block_size, device=self.tensor.device)
+            src = (torch.tensor([s for s, _ in copies], device=self.tensor.device)[:, None] * self.block_size + offsets)
+            dst = (torch.tensor([d for _, d in copies], device=self.tensor.device)[:, None] * self.block_size + offsets)
+            self.tensor[:, :, :, dst.flatten()] = self.tensor[:, :, :, src.flatten()]
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+DEFAULT_MAX_GB = 2.0  # zeroed at start: about half a second
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -45,9 +46,11 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 def default_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, memory_gb: float | None,
                        max_tokens: int) -> int:
-    """Blocks for `memory_gb`, or else a quarter of the free memory, never more than `max_tokens` need."""
+    """Blocks for `memory_gb`, or else a quarter of the free memory up to DEFAULT_MAX_GB, never more
+    than `max_tokens` need."""
     per_block = bytes_per_block(config, block_size, dtype)
-    budget = memory_gb * 2**30 if memory_gb is not None else psutil.virtual_memory().available / 4
+    budget = memory_gb * 2**30 if memory_gb is not None else min(psutil.virtual_memory().available / 4,
+                                                                 DEFAULT_MAX_GB * 2**30)
     by_memory = int(budget // per_block)
     if memory_gb is None:
         by_memory = min(by_memory, -(-max_tokens // block_size))

@@ -31,12 +31,14 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.int(), 1))
         scales_zeros = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1)  # [in / group, out, 2]
         self.register_buffer("scales_zeros", scales_zeros.to(torch.bfloat16).contiguous())
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """bfloat16 out: what follows inside a layer stays in bfloat16 (the residual stream, float32,
+        takes the sum). Saves two conversions per projection on the decode hot path."""
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -48,7 +50,7 @@ class Int8Linear(nn.Module):
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
         self.register_buffer("weight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def as_embedding(self, dtype: torch.dtype) -> nn.Module:
@@ -58,7 +60,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)  # bfloat16, as Int4Linear
         return y if self.bias is None else y + self.bias
 
 

@@ -22,7 +22,7 @@ TOP_P_CANDIDATES = 1024
 @dataclass
 class SamplerOutput:
     token_ids: Tensor  # [B] long
-    logprobs: Tensor  # [B] float32, raw log-softmax at the chosen token
+    logprobs: Tensor  # [B] float32, raw log-softmax at the chosen token (0.0 where params.logprobs is None)
     top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; None when nobody asked
 
 
@@ -99,9 +99,21 @@ def sample(
         probs = _filtered_probs(_take_rows(penalized, rand), [params[i] for i in rand])
         token_ids = _put_rows(token_ids, rand, sample_from_probs(probs, [generators[i] for i in rand]))
 
-    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
-    return SamplerOutput(token_ids, chosen, _top_logprobs(raw_logprobs, params))
+    # log-softmax over the vocabulary only for the rows that asked for logprobs (it costs as much as
+    # the rest of sampling at batch 64); the others report 0.0
+    chosen = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    top = None
+    if wanted:
+        rows = torch.tensor(wanted, device=logits.device)
+        raw_logprobs = torch.log_softmax(logits[rows], dim=-1)  # [b, V]
+        chosen[rows] = raw_logprobs.gather(1, token_ids[rows, None]).squeeze(1)
+        picked = _top_logprobs(raw_logprobs, [params[i] for i in wanted])
+        if picked is not None:
+            top = [[] for _ in params]
+            for i, entry in zip(wanted, picked):
+                top[i] = entry
+    return SamplerOutput(token_ids, chosen, top)
 
 
 def sample_from_probs(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:

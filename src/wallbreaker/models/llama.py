@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, theta, 1.0 if sliding else cfg.rope_scaling_factor)
         self.sliding_window = cfg.sliding_window if sliding else None
         self.scale = cfg.attn_scale
-        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim], bound by the runner
+        self.k_cache: torch.Tensor | None = None  # [kv_heads, slots, head_dim], bound by the runner
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -50,7 +50,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = meta.rotary(self.rope)
+        cos, sin = meta.rotary(self.rope, q.dtype)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
