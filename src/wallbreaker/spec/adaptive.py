@@ -27,20 +27,39 @@ class SpecLengthController:
         self.verify_s: dict[int, float] = {}  # tokens per sequence in a step -> seconds per step
         self.draft_step_s: float | None = None
         self.steps = 0
+        self._interval = explore_every
+        self._next_explore = explore_every
+        self._pending_explore = False
         self.chosen: deque[int] = deque(maxlen=4096)  # K chosen, step by step
 
     def choose(self, alpha: float) -> int:
         if not self.adaptive:
             return self.max_k
-        rates = {k: expected_tokens(alpha, k) / self._step_cost(k) for k in range(self.max_k + 1)}
-        best = max(rates, key=rates.get)
-        if self.steps % self.explore_every == self.explore_every - 1:
-            best = min(self.max_k, best + 1)  # keep measuring the next length up
+        best = self.best(alpha)
+        if self.steps >= self._next_explore:
+            # measure the next length up now and then; while speculation keeps not paying, ever more
+            # rarely (a draft model must catch up on every token it skipped, which is not free)
+            self._pending_explore = True
+            return min(self.max_k, best + 1)
         return best
+
+    def best(self, alpha: float) -> int:
+        """The K with the most expected tokens per second, without exploring."""
+        if not self.adaptive:
+            return self.max_k
+        rates = {k: expected_tokens(alpha, k) / self._step_cost(k) for k in range(self.max_k + 1)}
+        return max(rates, key=rates.get)
+
+    def _after_step(self, chosen_k: int) -> None:
+        if self._pending_explore:
+            self._pending_explore = False
+            self._interval = self.explore_every if chosen_k > 1 else min(self._interval * 2, 1024)
+            self._next_explore = self.steps + self._interval
 
     def record_step(self, tokens_per_seq: int, seconds: float, chosen_k: int) -> None:
         self.steps += 1
         self.chosen.append(chosen_k)
+        self._after_step(chosen_k)
         self.verify_s[tokens_per_seq] = self._ema(self.verify_s.get(tokens_per_seq), seconds)
 
     def record_draft_step(self, seconds: float) -> None:

@@ -25,6 +25,11 @@ class DraftProposer:
         for seq_id in [s for s in self.seqs if s not in live_seq_ids]:
             self.block_manager.free(self.seqs.pop(seq_id))
 
+    def backlog(self, target: Sequence) -> int:
+        """Tokens of `target` the draft's cache does not hold yet."""
+        d = self.seqs.get(target.seq_id)
+        return target.num_tokens - (d.num_computed_tokens if d is not None else 0)
+
     def propose(self, targets: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None], float]:
         """K drafted tokens per target (fewer if the draft cache is full) and the distributions they
         were drawn from ([K, V] each). Also returns the seconds spent per draft step."""

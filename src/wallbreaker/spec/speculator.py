@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from .draft import DraftProposer
 
 
+MAX_EXPLORE_BACKLOG = 32
+
+
 class Speculator:
     def __init__(self, method: str, max_k: int, max_model_len: int, draft: "DraftProposer | None" = None,
                  adaptive: bool = True):
@@ -40,6 +43,9 @@ class Speculator:
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
             k = min(self.controller.choose(seq.acceptance), room)
+            if k and self.draft is not None and self.controller.best(seq.acceptance) == 0 \
+                    and self.draft.backlog(seq) > MAX_EXPLORE_BACKLOG:
+                k = 0  # exploring would first make the draft catch up on every token it skipped
             if k > 0:
                 candidates.append(seq)
                 ks.append(k)
