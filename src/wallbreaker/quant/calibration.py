@@ -2,8 +2,8 @@
 
 `calibration_sequences` cuts a fixed number of fixed-length token windows out of a text at seeded
 random offsets (GPTQ's recipe). `InputStats` accumulates, from forward pre-hooks on Linear modules,
-the Hessian proxy H = 2/n · Σ x xᵀ (GPTQ), the mean magnitude of each input channel (AWQ) and a
-fixed sample of input rows (AWQ's scale search, the sensitivity of mixed precision).
+the Hessian proxy H = 2/n · Σ x xᵀ (GPTQ; half of it is the Gram matrix AWQ measures output errors
+with) and the mean magnitude of each input channel (AWQ's scales).
 """
 from __future__ import annotations
 
@@ -46,13 +46,10 @@ def read_calibration_text(path: str | Path | None) -> str:
 class InputStats:
     """Running statistics of one Linear's input rows x [in]."""
 
-    def __init__(self, in_features: int, hessian: bool = False, sample_every: int = 0):
+    def __init__(self, in_features: int, hessian: bool = True):
         self.n = 0
         self.hessian = torch.zeros(in_features, in_features) if hessian else None  # [in, in]
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64)  # [in]
-        self.sample_every = sample_every
-        self._rows: list[torch.Tensor] = []
-        self._seen = 0
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()  # [T, in]
@@ -63,10 +60,6 @@ class InputStats:
             xs = x * (2.0 / (self.n + t)) ** 0.5
             self.hessian.addmm_(xs.T, xs)
         self.abs_sum += x.abs().sum(0, dtype=torch.float64)
-        if self.sample_every:
-            first = (-self._seen) % self.sample_every
-            self._rows.append(x[first::self.sample_every].clone())
-            self._seen += t
         self.n += t
 
     @property
@@ -75,9 +68,10 @@ class InputStats:
         return (self.abs_sum / max(self.n, 1)).float()
 
     @property
-    def rows(self) -> torch.Tensor:
-        """[n_sampled, in] the sampled input rows."""
-        return torch.cat(self._rows) if self._rows else torch.empty(0, self.abs_sum.shape[0])
+    def gram(self) -> torch.Tensor:
+        """[in, in] XᵀX / n."""
+        assert self.hessian is not None
+        return self.hessian / 2
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ class LayerRunner:
     def __init__(self, model: nn.Module, seqlen: int, batch: int = 8):
         cfg = model.config
         self.model, self.seqlen, self.batch = model, seqlen, batch
-        shape = (batch, seqlen, cfg.num_kv_heads, cfg.head_dim)  # [blocks, block_size, kv_heads, head_dim]
+        shape = (cfg.num_kv_heads, batch * seqlen, cfg.head_dim)  # [kv_heads, slots, head_dim]: one block a sequence
         self._k, self._v = torch.zeros(shape), torch.zeros(shape)
 
     def _meta(self, n: int) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -58,7 +58,8 @@ class LayerRunner:
             slot_mapping=torch.arange(n * L), num_decode_tokens=0,
             decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
             decode_context_lens=torch.zeros(0, dtype=torch.long),
-            prefills=[PrefillSpan(j * L, L, L, torch.tensor([j])) for j in range(n)], positions=positions)
+            prefills=[PrefillSpan(j * L, L, L, torch.tensor([j])) for j in range(n)], positions=positions,
+            block_size=L)
         return positions, meta
 
     @torch.no_grad()

@@ -3,9 +3,10 @@
 The calibrated methods walk the layers in order. For each: run it on the calibration activations
 with hooks on its four Linear modules (qkv, o, gate_up, down), quantize them (GPTQ from the
 Hessians; AWQ: search and fold scales, then round), write the dequantized weights back into the
-model, and run the layer again so the next one sees what the quantized model computes. Embeddings,
-the output head and norms stay in float. The in-memory model ends up computing exactly what the
-written files load back as.
+model, and run the layer again so the next one sees what the quantized model computes. GPTQ
+(AutoGPTQ's "true sequential") runs the layer once per Linear, so that o sees the quantized qkv,
+and so on. Embeddings, the output head and norms stay in float. The in-memory model ends up
+computing exactly what the written folder loads back as.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import InvalidRequestError
-from .awq import AWQConfig, search_scales
+from .awq import AWQConfig, search_clip, search_scales
 from .calibration import InputStats, calibration_sequences, capture_inputs, read_calibration_text
 from .fold import fold_scales, folded_tensor_names, read_folded, tie_heads
 from .gptq import GPTQConfig, PreparedHessian, gptq_quantize, prepare_hessian
@@ -42,6 +43,7 @@ class QuantizeConfig:
     seed: int = 0
     calib: str | None = None  # calibration text file; None: WikiText-2 valid
     damp: float = 0.01
+    true_sequential: bool = True  # GPTQ: each Linear's inputs come from the layer with the ones before it quantized
     awq_grid: int = 20
     mixed_quantizer: str = "gptq"  # how "mixed" rounds each tensor at its width: "gptq" | "rtn"
     sensitivity_samples: int = 8  # calibration sequences the mixed sensitivities are measured on
@@ -114,16 +116,20 @@ def quantize_model(llm, cfg: QuantizeConfig, progress: bool = True, keep_rtn_sou
             plan, report["sensitivity"] = _mixed_plan(runner, seqs, cfg, bar)
         hidden = runner.embed(seqs)  # [N, L, hidden]
         awq = AWQConfig(n_grid=cfg.awq_grid)
-        sample_every = max(1, seqs.numel() // awq.max_rows) if cfg.method == "awq" else 0
         alphas: dict[str, float] = {}
         for i in bar(range(mc.num_layers), desc=cfg.method):
             groups = linear_groups(model, i)
-            stats, _ = _capture(runner, i, hidden, groups, cfg.uses_gptq, sample_every)
-            if cfg.method == "awq":  # every fold first: folding o and down rescales rows of qkv and gate_up
+            if cfg.uses_gptq and cfg.true_sequential:
                 for g in groups:
-                    alphas[f"blk.{i}.{g.name}"] = _awq_group(model.layers[i], g, stats[g.name], cfg, awq, mc)
-            for g in groups:
-                _quantize_group(g, plan, cfg, _quantizer(cfg, stats[g.name]), quantized, source)
+                    stats, _ = _capture(runner, i, hidden, [g])
+                    _quantize_group(g, plan, cfg, _quantizer(cfg, stats[g.name]), quantized, source)
+            else:
+                stats, _ = _capture(runner, i, hidden, groups)
+                if cfg.method == "awq":  # every fold first: folding o and down rescales rows of qkv and gate_up
+                    for g in groups:
+                        alphas[f"blk.{i}.{g.name}"] = _awq_group(model.layers[i], g, stats[g.name], cfg, awq, mc)
+                for g in groups:
+                    _quantize_group(g, plan, cfg, _quantizer(cfg, stats[g.name]), quantized, source)
             hidden = runner.run(i, hidden)
         if alphas:
             report["awq_alpha"] = alphas
@@ -137,9 +143,9 @@ def _bar(progress: bool):
     return bar
 
 
-def _capture(runner: LayerRunner, i: int, hidden: torch.Tensor, groups: list[LinearGroup], hessian: bool,
-             sample_every: int) -> tuple[dict[str, InputStats], torch.Tensor]:
-    stats = {g.name: InputStats(g.module.weight.shape[1], hessian, sample_every) for g in groups}
+def _capture(runner: LayerRunner, i: int, hidden: torch.Tensor,
+             groups: list[LinearGroup]) -> tuple[dict[str, InputStats], torch.Tensor]:
+    stats = {g.name: InputStats(g.module.weight.shape[1]) for g in groups}
     with capture_inputs({g.name: g.module for g in groups}, stats):
         out = runner.run(i, hidden)
     return stats, out
@@ -175,10 +181,19 @@ def _quantize_group(g: LinearGroup, plan: dict[str, int], cfg: QuantizeConfig, q
 
 def _awq_group(layer, g: LinearGroup, stats: InputStats, cfg: QuantizeConfig, awq: AWQConfig,
                mc: ModelConfig) -> float:
-    """Search this Linear's AWQ scales (at the width its first part gets) and fold them in."""
+    """Search this Linear's AWQ scales, fold them in, and clip its weights' ranges."""
     tie = (lambda s: tie_heads(s, mc.num_heads, mc.num_kv_heads)) if g.name == "o" else None
-    found = search_scales(stats.rows, g.module.weight, cfg.grid(int(cfg.bits)), awq, stats.mean_abs, tie)
+    grid = cfg.grid(int(cfg.bits))
+    gram = stats.gram
+    found = search_scales(gram, stats.mean_abs, g.module.weight, grid, awq, tie)
     fold_scales(layer, g.name, found.scales, mc.num_heads, mc.num_kv_heads)
+    if awq.clip:
+        gram = gram / found.scales[:, None] / found.scales[None, :]  # the Gram matrix of X/s
+        weight = g.module.weight
+        for name, r0, r1 in g.parts:
+            if not name.endswith(("attn_q.weight", "attn_k.weight")):  # q·k products: llm-awq leaves them unclipped
+                with torch.no_grad():
+                    weight[r0:r1] = search_clip(gram, weight[r0:r1], grid, awq).to(weight.dtype)
     return found.alpha
 
 
@@ -193,7 +208,7 @@ def _mixed_plan(runner: LayerRunner, seqs: torch.Tensor, cfg: QuantizeConfig, ba
     hidden = runner.embed(seqs)
     for i in bar(range(model.config.num_layers), desc="mixed: sensitivity"):
         groups = linear_groups(model, i)
-        stats, next_hidden = _capture(runner, i, hidden, groups, cfg.uses_gptq, 0)
+        stats, next_hidden = _capture(runner, i, hidden, groups)
         ref = runner.run(i, hidden, k)
         ref_norm = ref.pow(2).sum().item()
         for g in groups:
