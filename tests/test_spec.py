@@ -190,3 +190,18 @@ def test_the_distribution_check_catches_plain_acceptance(target, poor_draft, dis
     prompt, exact = distribution_case
     counts = sample_second_tokens(target, poor_draft, prompt, N_SAMPLES, top_k=6)
     assert chi_square_pvalue_is_tiny(counts, exact, N_SAMPLES)
+
+
+def test_speculation_behind_the_server_gives_the_plain_greedy_answers(target, plain_greedy):
+    from server_apps import app_client
+    from wallbreaker.server.app import build_app
+
+    spec = llm(target, speculative_method="ngram", num_speculative_tokens=4)
+    with app_client(build_app(spec)) as client:
+        for prompt, expected in zip(prompts()[:3], plain_greedy[:3]):
+            body = {"prompt": prompt["prompt_token_ids"], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            answer = client.post("/v1/completions", json=body).json()
+            assert answer["choices"][0]["text"] == spec.tokenizer.decode(expected)
+        metrics = client.get("/metrics").text
+    assert "wallbreaker_spec_acceptance_rate" in metrics
+    assert spec.stats()["kv_blocks_used"] == 0 and spec.stats()["spec_proposed"] > 0
