@@ -64,6 +64,7 @@ def measure(name: str, args: argparse.Namespace, work: Path) -> dict:
                    linear_bytes=sum(w.nbytes for w in quant), linear_bits_per_weight=8 * sum(w.nbytes for w in quant) / numel)
         if cfg.method == "mixed":
             row["bits_per_tensor"] = qm.bits_per_tensor
+            row["propagation_gains"] = qm.report["sensitivity"]["gains"]
         if cfg.method == "awq":
             row["awq_alpha"] = qm.report.get("awq_alpha")
         if not args.keep:
@@ -117,7 +118,9 @@ def main() -> None:
     if not args.markdown:
         results["settings"] = {k: getattr(args, k) for k in ("model", "ctx", "chunks", "group_size", "nsamples",
                                                              "seqlen", "seed")}
-        results["command"] = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
+        results["command"] = (f"nice -n 10 python benchmarks/quality.py --model {args.model} --ctx {args.ctx} "
+                              f"--chunks {args.chunks} --group-size {args.group_size} --nsamples {args.nsamples} "
+                              f"--seqlen {args.seqlen} --seed {args.seed}")
         work = cache_dir() / "quality" / args.model
         work.mkdir(parents=True, exist_ok=True)
         for name in args.configs:

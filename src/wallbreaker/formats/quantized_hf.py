@@ -118,12 +118,11 @@ def _weight_ref(handle, keys: set[str], module: str, name: str, bits: int, group
     def load() -> torch.Tensor:
         return load_quant().dequantize()
 
-    int4 = None
-    if bits <= 4 and not act and group in _INT4_GROUPS and shape[1] % group == 0:
-        def int4():
-            from ..quant.int4 import Int4Groups
-            q = load_quant()
-            return Int4Groups(q.codes, q.scales, (8 - q.zero_points()) * q.scales, group)
+    def int4():
+        from ..quant.int4 import Int4Groups
+        q = load_quant()
+        return Int4Groups(q.codes, q.scales, (8 - q.zero_points()) * q.scales, group)
 
-    return WeightRef(name, shape, stored_type(bits, group, act), nbytes, load, int4=int4,
+    packable = bits <= 4 and not act and group in _INT4_GROUPS and shape[1] % group == 0
+    return WeightRef(name, shape, stored_type(bits, group, act), nbytes, load, int4=int4 if packable else None,
                      quant=QuantInfo(bits, group, sym, act, load_quant))

@@ -23,13 +23,17 @@ class PrefillSpan:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot that receives each new token's K/V
-    num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [B_decode, max_blocks], padded with 0
     decode_context_lens: torch.Tensor  # [B_decode]
     prefills: list[PrefillSpan]
     positions: torch.Tensor | None = None  # [T]
     block_size: int = 16  # set by the runner from its KV cache
     _memo: dict = field(default_factory=dict, repr=False)  # per-step values every layer shares
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """A tensor's size, not a stored int: a compiled step sees it as a symbolic batch size."""
+        return self.decode_context_lens.shape[0]
 
     def rotary(self, rope, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of this step's positions, computed once per step for each distinct RoPE (and dtype)."""
@@ -45,12 +49,12 @@ class AttentionMetadata:
             self._memo["slots"] = _slots(self.decode_block_tables, block_size)
         return self._memo["slots"]
 
-    def decode_mask(self, key_len: int, sliding_window: int | None) -> torch.Tensor:
-        """[B_decode, 1, key_len] which gathered key slots each decode query may see."""
-        key = ("mask", key_len, sliding_window)
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[B_decode, 1, S] which of the gathered key slots (`decode_slots`) each decode query may see."""
+        key = ("mask", sliding_window)
         if key not in self._memo:
             lens = self.decode_context_lens[:, None]
-            key_pos = torch.arange(key_len, device=lens.device)[None, :]
+            key_pos = torch.arange(self.decode_block_tables.shape[1] * self.block_size, device=lens.device)[None, :]
             mask = key_pos < lens
             if sliding_window is not None:
                 mask &= key_pos > lens - 1 - sliding_window
@@ -87,7 +91,9 @@ def _slots(block_table: torch.Tensor, block_size: int) -> torch.Tensor:
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window):
     """One query per sequence against its gathered slots, as two batched matmuls with the query
     heads of a KV head side by side (GQA). PyTorch's CPU flash kernel tiles over queries and, with a
-    single query per sequence, was ~20x slower than this at batch 64."""
+    single query per sequence, was ~20x slower than this at batch 64. (Compiled, the same sums as
+    fused products and reductions were slower still beyond batch 1: the compiler vectorised them
+    across the gathered slots.)"""
     b, heads, d = q.shape
     kv_heads = k_cache.shape[0]
     slots = meta.decode_slots(meta.block_size)  # [B, S]
@@ -95,7 +101,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window)
     v = v_cache[:, slots]
     qg = q.to(k.dtype).view(b, kv_heads, heads // kv_heads, d).transpose(0, 1)  # [kv_heads, B, group, head_dim]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [kv_heads, B, group, S]
-    mask = meta.decode_mask(slots.shape[1], sliding_window)  # [B, 1, S]
+    mask = meta.decode_mask(sliding_window)  # [B, 1, S]
     probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
     out = torch.matmul(probs, v)  # [kv_heads, B, group, head_dim]
     return out.transpose(0, 1).reshape(b, heads, d).to(q.dtype)

@@ -55,6 +55,6 @@ class StepChannel:
         prefills = [PrefillSpan(start, length, context, take(table)) for start, length, context, table in spans]
         copies = [tuple(c) for c in take(2 * n_copies).view(n_copies, 2).tolist()]
         rows = None if n_rows < 0 else take(n_rows)
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=decodes, decode_block_tables=tables,
+        meta = AttentionMetadata(slot_mapping=slots, decode_block_tables=tables,
                                  decode_context_lens=lens, prefills=prefills, positions=positions)
         return StepInputs(input_ids, meta, copies, rows)

@@ -55,7 +55,7 @@ class LayerRunner:
         L = self.seqlen
         positions = torch.arange(L).repeat(n)  # [n·L]
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(n * L), num_decode_tokens=0,
+            slot_mapping=torch.arange(n * L),
             decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
             decode_context_lens=torch.zeros(0, dtype=torch.long),
             prefills=[PrefillSpan(j * L, L, L, torch.tensor([j])) for j in range(n)], positions=positions,

@@ -1,7 +1,8 @@
 """Mixed precision: a bit width per tensor, reaching a target average, where it helps most.
 
 Sensitivity (as ExLlamaV2 measures it): for each tensor alone at each candidate width, the relative
-error it causes in its decoder layer's output on calibration rows, ||ΔY||² / ||Y||². Allocation:
+error it causes in its decoder layer's output on calibration tokens, ||Δy||² / ||y||² averaged over
+tokens. Allocation:
 every tensor starts at the narrowest width; then, greedily, the upgrade with the largest error
 reduction per added bit of storage is taken while the budget allows.
 

@@ -199,18 +199,20 @@ def _awq_group(layer, g: LinearGroup, stats: InputStats, cfg: QuantizeConfig, aw
 
 def _mixed_plan(runner: LayerRunner, seqs: torch.Tensor, cfg: QuantizeConfig, bar) -> tuple[dict[str, int], dict]:
     """Per tensor and candidate width, the relative error of its layer's output when it alone is
-    quantized (on float inputs), then the greedy allocation."""
+    quantized (on float inputs), weighted by how much of an error at that layer's output reaches
+    the model's final hidden state (`_propagation_gains`); then the greedy allocation."""
     model = runner.model
     widths = candidate_bits(cfg.bits)
     errors: dict[str, dict[int, float]] = {}
     numel: dict[str, int] = {}
     k = min(cfg.sensitivity_samples, seqs.shape[0])
     hidden = runner.embed(seqs)
+    inputs: list[torch.Tensor] = []
     for i in bar(range(model.config.num_layers), desc="mixed: sensitivity"):
         groups = linear_groups(model, i)
         stats, next_hidden = _capture(runner, i, hidden, groups)
+        inputs.append(hidden[:k].clone())
         ref = runner.run(i, hidden, k)
-        ref_norm = ref.pow(2).sum().item()
         for g in groups:
             quantizer = _quantizer(cfg, stats[g.name])
             weight = g.module.weight
@@ -220,12 +222,53 @@ def _mixed_plan(runner: LayerRunner, seqs: torch.Tensor, cfg: QuantizeConfig, ba
                 for b in widths:
                     with torch.no_grad():
                         weight[r0:r1] = quantizer(original.float(), cfg.grid(b)).dequantize().to(weight.dtype)
-                    errors[name][b] = (runner.run(i, hidden, k) - ref).pow(2).sum().item() / ref_norm
+                    errors[name][b] = _relative_error(runner.run(i, hidden, k), ref)
                 with torch.no_grad():
                     weight[r0:r1] = original
         hidden = next_hidden
-    plan = allocate_bits(numel, errors, cfg.bits)
-    return plan, {"candidates": widths, "errors": errors, "bits": plan, "average_bits": average_bits(plan, numel)}
+    gains = _propagation_gains(runner, inputs, cfg.grid(widths[len(widths) // 2]), bar)
+    weighted = {name: {b: e * gains[int(name.split(".")[1])] for b, e in by_width.items()}
+                for name, by_width in errors.items()}
+    plan = allocate_bits(numel, weighted, cfg.bits)
+    return plan, {"candidates": widths, "errors": errors, "gains": gains, "bits": plan,
+                  "average_bits": average_bits(plan, numel)}
+
+
+@torch.no_grad()
+def _propagation_gains(runner: LayerRunner, inputs: list[torch.Tensor], grid: QuantGrid, bar) -> list[float]:
+    """Per layer: final-hidden-state relative error over that layer's own output error, with the
+    whole layer rounded to `grid`. Layer-local errors alone mislead: the residual stream grows with
+    depth, so a middle layer's error looks small at its output yet is carried, and amplified, to the
+    logits; summing unweighted local errors once gave SmolLM2's layers 11-16 two bits."""
+    model = runner.model
+    n = len(inputs)
+
+    def finish(i: int, h: torch.Tensor) -> torch.Tensor:
+        for j in range(i + 1, n):
+            h = runner.run(j, h)
+        return model.norm(h.view(-1, h.shape[-1])).float()
+
+    clean_final = finish(n - 1, runner.run(n - 1, inputs[n - 1]))
+    gains = []
+    for i in bar(range(n), desc="mixed: propagation"):
+        ref = runner.run(i, inputs[i])
+        saved = []
+        for g in linear_groups(model, i):
+            saved.append((g.module.weight, g.module.weight.detach().clone()))
+            g.module.weight.copy_(quantize_rtn(g.module.weight.float(), grid).dequantize())
+        out = runner.run(i, inputs[i])
+        for weight, original in saved:
+            weight.copy_(original)
+        local = _relative_error(out, ref)
+        gains.append(_relative_error(finish(i, out), clean_final) / max(local, 1e-20))
+    return gains
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Mean over tokens of ||Δy||² / ||y||². Per token, because the next layer normalises each token
+    on its own, and because a few tokens carry massive activations (SmolLM2: norms 100x the median
+    from layer 11 on) that would otherwise make every later layer look insensitive."""
+    return ((out - ref).pow(2).sum(-1) / ref.pow(2).sum(-1).clamp(min=1e-12)).mean().item()
 
 
 def _float_tensors(llm, quantized: set[str], folded: bool) -> dict[str, torch.Tensor]:
