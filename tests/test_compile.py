@@ -48,3 +48,18 @@ def test_two_compiled_models_in_one_process_keep_their_own_graphs(tiny_llama, ti
         batch = prompts(llm.model_config.vocab_size, 3, seed=1)
         assert ([o.outputs[0].token_ids for o in llm.generate(batch, PARAMS)]
                 == [o.outputs[0].token_ids for o in eager.generate(batch, PARAMS)])
+
+
+def test_compiled_decode_under_speculation_keeps_greedy_output(tiny_llama):
+    """Verify steps (1 + K tokens a sequence) run eagerly, plain decode steps compiled: together they
+    still give plain greedy decoding's tokens."""
+    options = dict(dtype="float32", kv_cache_memory_gb=0.02)
+    plain = LLM(str(tiny_llama.gguf_path), **options)
+    spec = LLM(str(tiny_llama.gguf_path), compile=True, speculative_method="ngram", num_speculative_tokens=3,
+               **options)
+    rng = random.Random(2)
+    phrase = [rng.randrange(3, 500) for _ in range(6)]
+    batch = [{"prompt_token_ids": phrase * 4}, *prompts(plain.model_config.vocab_size, 3, seed=3)]
+    want = [o.outputs[0].token_ids for o in plain.generate(batch, PARAMS)]
+    assert [o.outputs[0].token_ids for o in spec.generate(batch, PARAMS)] == want
+    assert spec.engine.counters["spec_proposed"] > 0
