@@ -1,10 +1,11 @@
 """Mixed precision: a bit width per tensor, reaching a target average, where it helps most.
 
-Sensitivity (as ExLlamaV2 measures it): for each tensor alone at each candidate width, the relative
-error it causes in its decoder layer's output on calibration tokens, ||Δy||² / ||y||² averaged over
-tokens. Allocation:
-every tensor starts at the narrowest width; then, greedily, the upgrade with the largest error
-reduction per added bit of storage is taken while the budget allows.
+Sensitivity: for each tensor alone at each candidate width, the relative error it causes in its
+decoder layer's output on calibration tokens, ||Δy||² / ||y||² averaged over tokens (ExLlamaV2's
+measure), times that layer's propagation gain: how much of an error at its output reaches the final
+hidden state (see `pipeline._propagation_gains`). Allocation: every tensor starts at the narrowest
+width; then, greedily, the upgrade with the largest error reduction per added bit of storage is
+taken while the budget allows.
 
 Convention: the target and the averages count code bits per weight over the quantized Linear
 weights, as `--bits 3` does for a uniform model; the scales and zero points of the groups add the
