@@ -207,12 +207,14 @@ def _mixed_plan(runner: LayerRunner, seqs: torch.Tensor, cfg: QuantizeConfig, ba
     numel: dict[str, int] = {}
     k = min(cfg.sensitivity_samples, seqs.shape[0])
     hidden = runner.embed(seqs)
-    inputs: list[torch.Tensor] = []
+    inputs: list[torch.Tensor] = []  # per layer, its float input and output on the first k sequences
+    outputs: list[torch.Tensor] = []
     for i in bar(range(model.config.num_layers), desc="mixed: sensitivity"):
         groups = linear_groups(model, i)
         stats, next_hidden = _capture(runner, i, hidden, groups)
-        inputs.append(hidden[:k].clone())
-        ref = runner.run(i, hidden, k)
+        ref = next_hidden[:k]
+        inputs.append(hidden[:k])
+        outputs.append(ref)
         for g in groups:
             quantizer = _quantizer(cfg, stats[g.name])
             weight = g.module.weight
@@ -226,7 +228,7 @@ def _mixed_plan(runner: LayerRunner, seqs: torch.Tensor, cfg: QuantizeConfig, ba
                 with torch.no_grad():
                     weight[r0:r1] = original
         hidden = next_hidden
-    gains = _propagation_gains(runner, inputs, cfg.grid(widths[len(widths) // 2]), bar)
+    gains = _propagation_gains(runner, inputs, outputs, cfg.grid(widths[len(widths) // 2]), bar)
     weighted = {name: {b: e * gains[int(name.split(".")[1])] for b, e in by_width.items()}
                 for name, by_width in errors.items()}
     plan = allocate_bits(numel, weighted, cfg.bits)
@@ -235,7 +237,8 @@ def _mixed_plan(runner: LayerRunner, seqs: torch.Tensor, cfg: QuantizeConfig, ba
 
 
 @torch.no_grad()
-def _propagation_gains(runner: LayerRunner, inputs: list[torch.Tensor], grid: QuantGrid, bar) -> list[float]:
+def _propagation_gains(runner: LayerRunner, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                       grid: QuantGrid, bar) -> list[float]:
     """Per layer: final-hidden-state relative error over that layer's own output error, with the
     whole layer rounded to `grid`. Layer-local errors alone mislead: the residual stream grows with
     depth, so a middle layer's error looks small at its output yet is carried, and amplified, to the
@@ -248,10 +251,9 @@ def _propagation_gains(runner: LayerRunner, inputs: list[torch.Tensor], grid: Qu
             h = runner.run(j, h)
         return model.norm(h.view(-1, h.shape[-1])).float()
 
-    clean_final = finish(n - 1, runner.run(n - 1, inputs[n - 1]))
+    clean_final = finish(n - 1, outputs[n - 1])
     gains = []
     for i in bar(range(n), desc="mixed: propagation"):
-        ref = runner.run(i, inputs[i])
         saved = []
         for g in linear_groups(model, i):
             saved.append((g.module.weight, g.module.weight.detach().clone()))
@@ -259,7 +261,7 @@ def _propagation_gains(runner: LayerRunner, inputs: list[torch.Tensor], grid: Qu
         out = runner.run(i, inputs[i])
         for weight, original in saved:
             weight.copy_(original)
-        local = _relative_error(out, ref)
+        local = _relative_error(out, outputs[i])
         gains.append(_relative_error(finish(i, out), clean_final) / max(local, 1e-20))
     return gains
 
