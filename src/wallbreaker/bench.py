@@ -70,9 +70,7 @@ class Wallbreaker:
         self.llm = LLM(args.model, **options)
         self.ids = lambda n, tag: prompt_ids(self.llm.tokenizer, n, tag)
         self.params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        # warm-up: batch 1 across a block boundary, then a batch (with compile, both graphs get built here)
-        self.llm.generate([self.ids(30, f"warm-up {name}")], self.params(8))
-        self.llm.generate([self.ids(30, f"warm-up {name} {i}") for i in range(3)], self.params(8))
+        self.llm.generate([self.ids(32, f"warm-up {name}")], self.params(8))  # compiled graphs were built at load
         self.notes = [f"{name}: loaded in {self.llm.load_time_s:.1f} s, dtype {options['dtype']}"]
 
     def measure(self, rep: int) -> dict[str, float | None]:
