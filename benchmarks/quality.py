@@ -34,6 +34,12 @@ CONFIGS: dict[str, dict] = {
     "awq-8": dict(method="awq", bits=8), "awq-4": dict(method="awq", bits=4), "awq-3": dict(method="awq", bits=3),
     "mixed-3.5": dict(method="mixed", bits=3.5), "mixed-4.5": dict(method="mixed", bits=4.5),
     "gptq-3-act": dict(method="gptq", bits=3, act_order=True),
+    # mixed with RTN rounding and sensitivities on 2 sequences: what 2 cores afford on a 1.5B model
+    "mixed-3.5-rtn": dict(method="mixed", bits=3.5, mixed_quantizer="rtn", sensitivity_samples=2),
+    "mixed-4.5-rtn": dict(method="mixed", bits=4.5, mixed_quantizer="rtn", sensitivity_samples=2),
+    # AWQ with llm-awq's range clipping as well (off by default: see quant/awq.py)
+    "awq-8-clip": dict(method="awq", bits=8, awq_clip=True), "awq-4-clip": dict(method="awq", bits=4, awq_clip=True),
+    "awq-3-clip": dict(method="awq", bits=3, awq_clip=True),
 }
 PUBLISHED = {"smollm2": 19.0292, "qwen2.5-coder-1.5b": 12.3798}  # llama-perplexity -c 512 --chunks 40 (BASELINES.md)
 

@@ -168,7 +168,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         sym=args.sym if args.sym is not None else (gguf_out and args.bits == 8), act_order=args.act_order,
         nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed, calib=args.calib, damp=args.damp,
         true_sequential=args.true_sequential,
-        awq_grid=args.awq_grid, mixed_quantizer=args.mixed_quantizer,
+        awq_grid=args.awq_grid, awq_clip=args.awq_clip, mixed_quantizer=args.mixed_quantizer,
         sensitivity_samples=args.sensitivity_samples)
     qm = quantize_to(args.model, args.out, cfg)
     print(f"[{cfg.method}: {len(qm.quantized)} tensors, {qm.average_bits:.3f} bits per weight on average, "
@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: capture each Linear's inputs after the ones before it are quantized (default: on)")
     p.add_argument("--awq-grid", type=int, default=20, help="AWQ: alpha in {0, 1/n, ..., 1} (default: 20)")
+    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=False,
+                   help="AWQ: also clip each group's range to its best on calibration error (default: off)")
     p.add_argument("--mixed-quantizer", choices=["gptq", "rtn"], default="gptq")
     p.add_argument("--sensitivity-samples", type=int, default=8, help="mixed: sequences for sensitivities")
     p.add_argument("model", help="a .gguf file, a Hugging Face folder, or a packaged model name")

@@ -45,6 +45,7 @@ class QuantizeConfig:
     damp: float = 0.01
     true_sequential: bool = True  # GPTQ: each Linear's inputs come from the layer with the ones before it quantized
     awq_grid: int = 20
+    awq_clip: bool = False  # AWQ: also shrink each group's range (llm-awq's auto_clip); see awq.py for why off
     mixed_quantizer: str = "gptq"  # how "mixed" rounds each tensor at its width: "gptq" | "rtn"
     sensitivity_samples: int = 8  # calibration sequences the mixed sensitivities are measured on
     batch: int = 8  # sequences per layer call
@@ -115,7 +116,7 @@ def quantize_model(llm, cfg: QuantizeConfig, progress: bool = True, keep_rtn_sou
         if cfg.method == "mixed":
             plan, report["sensitivity"] = _mixed_plan(runner, seqs, cfg, bar)
         hidden = runner.embed(seqs)  # [N, L, hidden]
-        awq = AWQConfig(n_grid=cfg.awq_grid)
+        awq = AWQConfig(n_grid=cfg.awq_grid, clip=cfg.awq_clip)
         alphas: dict[str, float] = {}
         for i in bar(range(mc.num_layers), desc=cfg.method):
             groups = linear_groups(model, i)
