@@ -37,9 +37,9 @@ CONFIGS: dict[str, dict] = {
     # mixed with RTN rounding and sensitivities on 2 sequences: what 2 cores afford on a 1.5B model
     "mixed-3.5-rtn": dict(method="mixed", bits=3.5, mixed_quantizer="rtn", sensitivity_samples=2),
     "mixed-4.5-rtn": dict(method="mixed", bits=4.5, mixed_quantizer="rtn", sensitivity_samples=2),
-    # AWQ with llm-awq's range clipping as well (off by default: see quant/awq.py)
-    "awq-8-clip": dict(method="awq", bits=8, awq_clip=True), "awq-4-clip": dict(method="awq", bits=4, awq_clip=True),
-    "awq-3-clip": dict(method="awq", bits=3, awq_clip=True),
+    # AWQ without llm-awq's range clipping (on by default: see quant/awq.py)
+    "awq-8-noclip": dict(method="awq", bits=8, awq_clip=False), "awq-4-noclip": dict(method="awq", bits=4, awq_clip=False),
+    "awq-3-noclip": dict(method="awq", bits=3, awq_clip=False),
 }
 PUBLISHED = {"smollm2": 19.0292, "qwen2.5-coder-1.5b": 12.3798}  # llama-perplexity -c 512 --chunks 40 (BASELINES.md)
 

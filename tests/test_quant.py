@@ -269,7 +269,7 @@ METHODS = {
     "gptq": dict(method="gptq", bits=3),
     "gptq-act-order": dict(method="gptq", bits=4, act_order=True),
     "awq": dict(method="awq", bits=3),
-    "awq-clip": dict(method="awq", bits=3, awq_clip=True),
+    "awq-no-clip": dict(method="awq", bits=3, awq_clip=False),
     "mixed": dict(method="mixed", bits=3.5),
 }
 
@@ -405,7 +405,7 @@ def test_gguf_output_refuses_what_its_blocks_cannot_hold(kw: dict, message: str,
 def test_cli_quantize_writes_a_loadable_folder(tiny_qwen2: TinyModel, calib: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "awq"
-    rc = main(["quantize", "--method", "awq", "--awq-clip", "--bits", "4", "--group-size", "32", "--calib", calib,
+    rc = main(["quantize", "--method", "awq", "--no-awq-clip", "--bits", "4", "--group-size", "32", "--calib", calib,
                "--nsamples", "2", "--seqlen", "32", str(tiny_qwen2.hf_dir), str(out)])
     assert rc == 0 and capsys.readouterr().out.strip().splitlines()[-1] == str(out)
     assert LLM(str(out), dtype="float32").files.weights["blk.0.attn_v.weight"].stored_type == "INT4_G32"

@@ -227,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: capture each Linear's inputs after the ones before it are quantized (default: on)")
     p.add_argument("--awq-grid", type=int, default=20, help="AWQ: alpha in {0, 1/n, ..., 1} (default: 20)")
-    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=False,
-                   help="AWQ: also clip each group's range to its best on calibration error (default: off)")
+    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="AWQ: also clip each group's range to its best on calibration error (default: on)")
     p.add_argument("--mixed-quantizer", choices=["gptq", "rtn"], default="gptq")
     p.add_argument("--sensitivity-samples", type=int, default=8, help="mixed: sequences for sensitivities")
     p.add_argument("model", help="a .gguf file, a Hugging Face folder, or a packaged model name")

@@ -45,7 +45,7 @@ class QuantizeConfig:
     damp: float = 0.01
     true_sequential: bool = True  # GPTQ: each Linear's inputs come from the layer with the ones before it quantized
     awq_grid: int = 20
-    awq_clip: bool = False  # AWQ: also shrink each group's range (llm-awq's auto_clip); see awq.py for why off
+    awq_clip: bool = True  # AWQ: also shrink each group's range (llm-awq's auto_clip); see awq.py
     mixed_quantizer: str = "gptq"  # how "mixed" rounds each tensor at its width: "gptq" | "rtn"
     sensitivity_samples: int = 8  # calibration sequences the mixed sensitivities are measured on
     batch: int = 8  # sequences per layer call
