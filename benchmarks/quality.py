@@ -38,7 +38,6 @@ CONFIGS: dict[str, dict] = {
     "mixed-3.5-rtn": dict(method="mixed", bits=3.5, mixed_quantizer="rtn", sensitivity_samples=2),
     "mixed-4.5-rtn": dict(method="mixed", bits=4.5, mixed_quantizer="rtn", sensitivity_samples=2),
     # AWQ without llm-awq's range clipping (on by default: see quant/awq.py)
-    "awq-8-noclip": dict(method="awq", bits=8, awq_clip=False), "awq-4-noclip": dict(method="awq", bits=4, awq_clip=False),
     "awq-3-noclip": dict(method="awq", bits=3, awq_clip=False),
 }
 PUBLISHED = {"smollm2": 19.0292, "qwen2.5-coder-1.5b": 12.3798}  # llama-perplexity -c 512 --chunks 40 (BASELINES.md)
