@@ -128,10 +128,14 @@ def main() -> None:
                               f"--seqlen {args.seqlen} --seed {args.seed}")
         work = cache_dir() / "quality" / args.model
         work.mkdir(parents=True, exist_ok=True)
+        measured: dict[str, dict] = {}
         for name in args.configs:
             if name in results["rows"] and not args.redo:
                 continue
-            results["rows"][name] = measure(name, args, work)
+            measured[name] = measure(name, args, work)
+            if out.is_file():  # rows another run wrote meanwhile stay
+                results["rows"] = json.loads(out.read_text())["rows"]
+            results["rows"].update(measured)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=1))
     print(markdown(results, args.model))
