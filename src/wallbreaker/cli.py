@@ -164,7 +164,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from .quant.run import is_gguf_path, quantize_to
     gguf_out = is_gguf_path(args.out)
     cfg = QuantizeConfig(
-        method=args.method, bits=args.bits, group_size=args.group_size or (32 if gguf_out else 128),
+        method=args.method, bits=args.bits,
+        group_size=args.group_size or (32 if gguf_out else QuantizeConfig.group_size),
         sym=args.sym if args.sym is not None else (gguf_out and args.bits == 8), act_order=args.act_order,
         nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed, calib=args.calib, damp=args.damp,
         true_sequential=args.true_sequential,
@@ -212,25 +213,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score", choices=["half", "all"], default="half",
                    help="half: the second half of each window, as llama-perplexity (default); all: every token")
 
+    from .quant.pipeline import QuantizeConfig
+    q = {f.name: f.default for f in dataclasses.fields(QuantizeConfig)}
     p = sub.add_parser("quantize", help="quantize a model and write it out (GGUF or folder)")
     p.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "mixed"])
     p.add_argument("--bits", type=float, required=True, help="2..8; for mixed, the target average (e.g. 3.5)")
-    p.add_argument("--group-size", type=int, default=None, help="(default: 128; 32 for a .gguf output)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help=f"(default: {q['group_size']}; 32 for a .gguf output)")
     p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
                    help="symmetric grid (default: asymmetric, except --bits 8 to GGUF: Q8_0)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: columns in order of decreasing activation")
     p.add_argument("--calib", default=None, help="calibration text (default: WikiText-2 valid.txt)")
-    p.add_argument("--nsamples", type=int, default=64, help="calibration sequences (default: 64)")
-    p.add_argument("--seqlen", type=int, default=512, help="tokens per calibration sequence (default: 512)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, fraction of the mean diagonal")
-    p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=True,
-                   help="GPTQ: capture each Linear's inputs after the ones before it are quantized (default: on)")
-    p.add_argument("--awq-grid", type=int, default=20, help="AWQ: alpha in {0, 1/n, ..., 1} (default: 20)")
-    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=True,
-                   help="AWQ: also clip each group's range to its best on calibration error (default: on)")
-    p.add_argument("--mixed-quantizer", choices=["gptq", "rtn"], default="gptq")
-    p.add_argument("--sensitivity-samples", type=int, default=8, help="mixed: sequences for sensitivities")
+    p.add_argument("--nsamples", type=int, default=q["nsamples"],
+                   help=f"calibration sequences (default: {q['nsamples']})")
+    p.add_argument("--seqlen", type=int, default=q["seqlen"],
+                   help=f"tokens per calibration sequence (default: {q['seqlen']})")
+    p.add_argument("--seed", type=int, default=q["seed"])
+    p.add_argument("--damp", type=float, default=q["damp"], help="GPTQ damping, fraction of the mean diagonal")
+    p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=q["true_sequential"],
+                   help="GPTQ: capture each Linear's inputs after the ones before it are quantized "
+                        f"(default: {'on' if q['true_sequential'] else 'off'})")
+    p.add_argument("--awq-grid", type=int, default=q["awq_grid"],
+                   help=f"AWQ: alpha in {{0, 1/n, ..., 1}} (default: {q['awq_grid']})")
+    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=q["awq_clip"],
+                   help="AWQ: also clip each group's range to its best on calibration error "
+                        f"(default: {'on' if q['awq_clip'] else 'off'})")
+    p.add_argument("--mixed-quantizer", choices=["gptq", "rtn"], default=q["mixed_quantizer"],
+                   help=f"mixed: how each tensor is rounded at its width (default: {q['mixed_quantizer']})")
+    p.add_argument("--sensitivity-samples", type=int, default=q["sensitivity_samples"],
+                   help=f"mixed: sequences for sensitivities (default: {q['sensitivity_samples']})")
     p.add_argument("model", help="a .gguf file, a Hugging Face folder, or a packaged model name")
     p.add_argument("out", help="OUT.gguf (Q4_0, Q4_1, Q8_0) or a folder")
 
