@@ -213,10 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score", choices=["half", "all"], default="half",
                    help="half: the second half of each window, as llama-perplexity (default); all: every token")
 
-    from .quant.pipeline import QuantizeConfig
+    from .quant.pipeline import METHODS, QuantizeConfig
     q = {f.name: f.default for f in dataclasses.fields(QuantizeConfig)}
     p = sub.add_parser("quantize", help="quantize a model and write it out (GGUF or folder)")
-    p.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "mixed"])
+    p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--bits", type=float, required=True, help="2..8; for mixed, the target average (e.g. 3.5)")
     p.add_argument("--group-size", type=int, default=None,
                    help=f"(default: {q['group_size']}; 32 for a .gguf output)")
