@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from wallbreaker.kv import BlockManager, BlockPool, hash_block
+from wallbreaker.kv import block_pool
 
 BS = 4
 
@@ -13,7 +14,8 @@ class Seq:
     token_ids: list[int]
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 def manager(num_blocks=8, caching=True) -> BlockManager:
@@ -141,3 +143,30 @@ def test_prefix_caching_off_never_hits():
     run_prompt(bm, a)
     b = Seq(list(range(12)))
     assert bm.allocate_prompt(b, 100) == 12
+
+
+def test_prefix_keys_are_sha256_digests_so_python_hash_collisions_do_not_alias_blocks(monkeypatch):
+    """CVE-2025-25183's construction: keys from Python's `hash`, which an attacker can collide. Here
+    the builtin hash is made to collide on everything; keys must still differ for different prefixes."""
+    monkeypatch.setattr(block_pool, "hash", lambda _: 0, raising=False)
+    key_a = hash_block(None, (0, 1, 2, 3))
+    key_b = hash_block(None, (0, 1, 2, 4))
+    assert isinstance(key_a, bytes) and len(key_a) == 32 and key_a != key_b
+    assert hash_block(key_a, (5, 6, 7, 8)) != hash_block(key_b, (5, 6, 7, 8))  # the parent is in the key
+
+
+def test_a_later_block_with_equal_tokens_but_another_parent_is_never_a_hit():
+    bm = manager()
+    a = Seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    run_prompt(bm, a)
+    b = Seq([9, 9, 9, 9, 5, 6, 7, 8, 9])  # second block's tokens equal a's, its prefix does not
+    assert bm.allocate_prompt(b, 100) == 9 and b.num_computed_tokens == 0
+
+
+def test_cache_salt_separates_requests_and_equal_salts_share():
+    bm = manager(num_blocks=16)
+    run_prompt(bm, Seq(list(range(9)), cache_salt="tenant-a"))
+    assert bm.allocate_prompt(Seq(list(range(9))), 100) == 9  # no salt: no hit on a salted block
+    assert bm.allocate_prompt(Seq(list(range(9)), cache_salt="tenant-b"), 100) == 9
+    same = Seq(list(range(9)), cache_salt="tenant-a")
+    assert bm.allocate_prompt(same, 100) == 1 and same.num_computed_tokens == 8

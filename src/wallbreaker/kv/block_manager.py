@@ -1,22 +1,23 @@
 """The logical side of the paged KV cache: each sequence's block table, grown on demand.
 
 A sequence holds `block_table` (physical block ids, in order) and `block_hashes` (the chained
-hash of each of its full blocks). Full blocks are immutable and may be shared (prefix cache hits,
-forks); only a sequence's partly filled tail block is ever written, so that is the one place
-copy-on-write is needed.
+digest of each of its full blocks, the first chained to its `cache_salt`). Full blocks are
+immutable and may be shared (prefix cache hits, forks); only a sequence's partly filled tail
+block is ever written, so that is the one place copy-on-write is needed.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
-from .block_pool import Block, BlockPool, hash_block
+from .block_pool import Block, BlockPool, hash_block, salt_digest
 
 
 class PagedSequence(Protocol):
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
-    block_hashes: list[int]
+    block_hashes: list[bytes]
+    cache_salt: str | None
 
 
 class BlockManager:
@@ -31,7 +32,7 @@ class BlockManager:
         """Cached full blocks matching the start of `seq`. The last token is never covered: its
         logits are needed, so at least it is computed again."""
         blocks: list[Block] = []
-        parent = None
+        parent = salt_digest(seq.cache_salt)
         for i in range((len(seq.token_ids) - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             parent = hash_block(parent, tokens)
@@ -87,7 +88,8 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            block_hash = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            parent = seq.block_hashes[-1] if seq.block_hashes else salt_digest(seq.cache_salt)
+            block_hash = hash_block(parent, tokens)
             seq.block_hashes.append(block_hash)
             self.pool.register(self.pool.blocks[seq.block_table[i]], block_hash, tokens)
 

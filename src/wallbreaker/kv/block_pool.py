@@ -1,5 +1,5 @@
 """The physical side of the paged KV cache: a fixed set of blocks, reference counts, a free list,
-and the prefix cache (full blocks keyed by a chained hash of their tokens).
+and the prefix cache (full blocks keyed by a chained digest of their tokens).
 
 Free blocks sit in one ordered dict: blocks without a hash at the front (nothing to lose), cached
 blocks behind them in least-recently-freed order. Allocation takes from the front, so a cached block
@@ -7,6 +7,8 @@ is evicted only when no plain free block is left; a cache hit pulls its block ou
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -15,13 +17,26 @@ from dataclasses import dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set when the block is full and registered in the prefix cache
+    hash: bytes | None = None  # set when the block is full and registered in the prefix cache
     token_ids: tuple[int, ...] = ()  # the tokens behind `hash`, to verify a hit
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained: a block's key covers every token before it, so equal keys mean equal prefixes."""
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """SHA-256 over the parent block's digest and this block's tokens: a block's key covers every
+    token before it, so equal keys mean equal prefixes. A collision-resistant digest, not Python's
+    `hash`, so that no prompt can be crafted to land on another request's blocks (the construction
+    behind vLLM's CVE-2025-25183)."""
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def salt_digest(cache_salt: str | None) -> bytes | None:
+    """The parent digest of a request's first block: requests share cached blocks only when their
+    salts are equal (vLLM's per-request `cache_salt`, for tenants who must not share a cache)."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest()
 
 
 class BlockPool:
@@ -31,7 +46,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.enable_prefix_caching = enable_prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, Block] = {}
+        self._cached: dict[bytes, Block] = {}
         self.prefix_queries = 0  # full prompt blocks looked up
         self.prefix_hits = 0  # of which found
 
@@ -70,7 +85,7 @@ class BlockPool:
             if block.hash is None:
                 self._free.move_to_end(block.block_id, last=False)
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> Block | None:
         self.prefix_queries += 1
         block = self._cached.get(block_hash)
         if block is None or block.token_ids != token_ids:
@@ -78,7 +93,7 @@ class BlockPool:
         self.prefix_hits += 1
         return block
 
-    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def register(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
         """Offer a newly full block to the prefix cache (the first block with a given key wins)."""
         if not self.enable_prefix_caching or block.hash is not None or block_hash in self._cached:
             return
