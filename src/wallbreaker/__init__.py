@@ -6,9 +6,10 @@
 """
 from .engine.llm import LLM, EngineConfig
 from .engine.outputs import CompletionOutput, RequestOutput
-from .errors import (InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError,
-                     WallbreakerError)
+from .errors import (EngineError, InvalidRequestError, ModelFormatError, ModelNotFoundError,
+                     UnsupportedModelError, WallbreakerError)
 from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "WallbreakerError",
-           "ModelNotFoundError", "ModelFormatError", "UnsupportedModelError", "InvalidRequestError"]
+           "ModelNotFoundError", "ModelFormatError", "UnsupportedModelError", "InvalidRequestError",
+           "EngineError"]

@@ -23,3 +23,7 @@ class InvalidRequestError(WallbreakerError, ValueError):
 
 class WorkerFailedError(WallbreakerError):
     """A tensor-parallel rank died, hung past the collective timeout, or failed to start; the engine has shut down."""
+
+
+class EngineError(WallbreakerError):
+    """A model step failed on a request's own sequence; the engine goes on with the others."""

@@ -1,6 +1,7 @@
 """`LLM`: the Python front door, shaped like vLLM's. Loads a model, builds the engine, runs batches."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -9,7 +10,7 @@ from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
-from ..errors import InvalidRequestError
+from ..errors import EngineError, InvalidRequestError
 from ..formats import ModelFiles, open_model
 from ..kv import BlockManager, BlockPool, KVCache
 from ..kv.cache import default_num_blocks
@@ -25,6 +26,7 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput, StreamDelta
 from .scheduler import Scheduler
 
+logger = logging.getLogger("wallbreaker")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -100,7 +102,21 @@ def make_kv_cache(files: ModelFiles, config: EngineConfig, num_blocks: int, devi
     return KVCache(model_config, num_blocks, config.kv_block_size, config.kv_cache_dtype, device)
 
 
-PromptType = str | list[int] | dict
+PromptType = str | list[int] | dict  # dict: {"prompt": str} or {"prompt_token_ids": [...]}, and "cache_salt"
+
+
+def _raise_step_failure(failures: list, num_requests: int) -> None:
+    first = failures[0]
+    raise EngineError(f"{len(failures)} of {num_requests} requests failed in a model step (error id "
+                      f"{first.error_id}): {type(first.error).__name__}: {first.error}") from first.error
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """vLLM's per-request `cache_salt`: only requests with the same salt share prefix-cache blocks."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidRequestError("cache_salt must be a string")
+    return salt
 
 
 class LLM:
@@ -116,19 +132,20 @@ class LLM:
         self.tokenizer = files.tokenizer
         self.chat_template = files.chat_template
         device = torch.device(self.config.device)
+        bs = self.config.kv_block_size
         max_len = min(self.config.max_model_len or files.config.max_position_embeddings,
                       files.config.max_position_embeddings)
+        num_blocks = self._num_blocks(max_len)
+        max_len = self._fit_context(max_len, num_blocks * bs)
         self.max_model_len = max_len
-        bs = self.config.kv_block_size
         if self.config.tensor_parallel_size == 1:
             self.model = load_model(files, self.config, device)
-            num_blocks = self._num_blocks(max_len)
             self.kv_cache = make_kv_cache(files, self.config, num_blocks, device)
             runner = ModelRunner(self.model, self.kv_cache, device, self.config.compile)
         else:
-            num_blocks = self._num_blocks(max_len)
             runner = self._start_tensor_parallel(files, num_blocks)
             self.model, self.kv_cache = runner.model, runner.kv_cache
+        runner.vocab_limit = min(self.tokenizer.vocab_size, files.config.vocab_size)
         block_manager = BlockManager(BlockPool(num_blocks, self.config.enable_prefix_caching), bs)
         scheduler = Scheduler(block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
@@ -147,6 +164,20 @@ class LLM:
         self.generate([[1] * (bs - 1)], few, use_tqdm=False)
         self.generate([[1] * (bs - 1), [2] * (bs - 1)], few, use_tqdm=False)
         self.engine.counters.update(saved)
+
+    def _fit_context(self, max_len: int, pool_tokens: int) -> int:
+        """The context one sequence may reach, never more than the KV pool holds: a sequence that
+        outgrew the pool would preempt every other and then itself, forever (vLLM refuses too).
+        A `max_model_len` asked for explicitly is refused with the numbers; the model's own is capped."""
+        if max_len <= pool_tokens:
+            return max_len
+        if self.config.max_model_len is not None:
+            raise InvalidRequestError(
+                f"max_model_len {max_len} is more than the KV cache holds ({pool_tokens} tokens); "
+                f"raise kv_cache_memory_gb or lower max_model_len")
+        logger.warning("max_model_len capped at %d tokens, what the KV cache holds (the model allows %d)",
+                       pool_tokens, max_len)
+        return pool_tokens
 
     def _num_blocks(self, max_len: int) -> int:
         """KV blocks for the whole model (under tensor parallelism each rank holds its heads' share)."""
@@ -187,18 +218,19 @@ class LLM:
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; the ids are checked against the vocabulary by the engine."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list):
+                    raise InvalidRequestError("prompt_token_ids must be a list of token ids")
+                return prompt.get("prompt"), list(ids)
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
             return None, list(prompt)
         raise InvalidRequestError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
@@ -214,24 +246,25 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        encoded = [self.encode(p) for p in prompts]
+        encoded = [(*self.encode(p), _cache_salt(p)) for p in prompts]
         return self._run(encoded, sampling_params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([self.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+        return self._run([(*self.encode_chat(c), None) for c in conversations], sampling_params, use_tqdm)
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, encoded: list[tuple[str | None, list[int], str | None]], sampling_params,
+             use_tqdm: bool) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(params_list) != len(encoded):
             raise InvalidRequestError("give one SamplingParams, or one per prompt")
         ids = []
         try:
-            for (text, token_ids), p in zip(encoded, params_list):
-                ids.append(self.engine.add_request(token_ids, p, prompt=text))
+            for (text, token_ids, salt), p in zip(encoded, params_list):
+                ids.append(self.engine.add_request(token_ids, p, prompt=text, cache_salt=salt))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
@@ -249,25 +282,32 @@ class LLM:
                     bar.update(1)
         if bar is not None:
             bar.close()
-        return [self.engine.pop_finished(rid) for rid in ids]
+        failed = [self.engine.requests[rid].failure for rid in ids if self.engine.requests[rid].failure]
+        outputs = [self.engine.pop_finished(rid) for rid in ids]
+        if failed:
+            _raise_step_failure(failed, len(ids))
+        return outputs
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """One request, its new text yielded as it is generated (the CLI's chat uses this)."""
         text, token_ids = self.encode(prompt)
-        yield from self._stream(text, token_ids, sampling_params or SamplingParams())
+        yield from self._stream(text, token_ids, sampling_params or SamplingParams(), _cache_salt(prompt))
 
     def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         text, token_ids = self.encode_chat(messages)
         yield from self._stream(text, token_ids, sampling_params or SamplingParams())
 
-    def _stream(self, text, token_ids, params) -> Iterator[StreamDelta]:
-        rid = self.engine.add_request(token_ids, params, prompt=text)
+    def _stream(self, text, token_ids, params, cache_salt: str | None = None) -> Iterator[StreamDelta]:
+        rid = self.engine.add_request(token_ids, params, prompt=text, cache_salt=cache_salt)
         try:
             while not self.engine.requests[rid].finished:
                 for delta in self.engine.step():
                     if delta.request_id == rid:
                         yield delta
+            failure = self.engine.requests[rid].failure
             self.last_output = self.engine.pop_finished(rid)
+            if failure is not None:
+                _raise_step_failure([failure], 1)
         finally:
             self.engine.abort(rid)
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InvalidRequestError
+from ..errors import EngineError, InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..kv import BlockManager
 from ..layers.sampler import processed_probs, sample
@@ -18,8 +20,20 @@ from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
+
+logger = logging.getLogger("wallbreaker.engine")
+MAX_CACHE_SALT_CHARS = 1024
+
+
+@dataclass
+class StepFailure:
+    """A model step failed on this request's sequence alone: the error, and the id that names it in
+    the log (clients are told the id, never the error text)."""
+
+    error_id: str
+    error: Exception
 
 
 @dataclass
@@ -28,11 +42,15 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
+    failure: StepFailure | None = None
 
     @property
     def finished(self) -> bool:
+        if self.failure is not None:
+            return all(s.is_finished for s in self.seqs)
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
@@ -50,32 +68,50 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.speculator = speculator
+        self.vocab_limit = runner.vocab_limit or runner.model.config.vocab_size
+        self._unexplained_failures = 0  # failed steps in a row in which no sequence failed alone
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "prefill_time_s": 0.0, "decode_time_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0,
                          "spec_proposed": 0, "spec_accepted": 0, "spec_verify_steps": 0}
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None) -> str:
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds "
-                                      f"{self.max_model_len} (max_model_len); nothing would fit after it")
-        capacity = self.block_manager.pool.num_blocks * self.block_manager.block_size
-        if len(prompt_token_ids) >= capacity:
-            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens but the KV cache holds "
-                                      f"only {capacity}; raise kv_cache_memory_gb")
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queue a request. Everything a step will read is checked here, so that one request's bad
+        input is its own error and never reaches a step that other requests share."""
+        self.check_request(prompt_token_ids, params, cache_salt)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, list(prompt_token_ids), params)
+        request = Request(request_id, prompt, list(prompt_token_ids), params, cache_salt)
         seq = self._new_sequence(request, 0, list(prompt_token_ids))
         seq.pending_fork = params.n - 1
         self.requests[request_id] = request
         self.scheduler.add(seq)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         return request_id
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> None:
+        """Raises `InvalidRequestError` for a request the engine must not run."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty" if isinstance(prompt_token_ids, list)
+                                      else "the prompt's token ids must be a list")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {n} tokens but the context holds "
+                                      f"{self.max_model_len} (max_model_len); nothing would fit after it")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens {params.max_tokens} with a prompt of {n} tokens needs {n + params.max_tokens} "
+                f"tokens, more than the context holds ({self.max_model_len}, max_model_len)")
+        limit = self.vocab_limit
+        for t in prompt_token_ids:
+            if type(t) is not int or not 0 <= t < limit:
+                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary (0..{limit - 1})")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS):
+            raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         params = request.params
@@ -84,8 +120,10 @@ class LLMEngine:
             generator = torch.Generator().manual_seed(params.seed + index)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop or [],
                                        params.include_stop_str_in_output)
+        stops = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(next(self._seq_ids), request.request_id, index, token_ids, len(request.prompt_token_ids),
-                       params, detok, generator, arrival_time=request.arrival_time)
+                       params, detok, generator, stop_token_ids=stops, cache_salt=request.cache_salt,
+                       arrival_time=request.arrival_time)
         request.seqs.append(seq)
         return seq
 
@@ -111,7 +149,13 @@ class LLMEngine:
         if not batch.seqs:
             return []
         start = time.perf_counter()
-        sampling_seqs, logits = self.runner.run(batch)
+        try:
+            sampling_seqs, logits = self.runner.run(batch)
+        except WorkerFailedError:
+            raise
+        except Exception as error:
+            return self._isolate(batch, error)
+        self._unexplained_failures = 0
         run_time = time.perf_counter() - start
         plain, verifying, row = [], [], 0
         for seq in sampling_seqs:
@@ -130,15 +174,59 @@ class LLMEngine:
             if decode_only:
                 self.speculator.record_step(batch, run_time)
             self.speculator.release_ended(self.scheduler.running)
-        for seq in batch.seqs + self.scheduler.running:  # unscheduled drafts are dropped too
-            if seq.num_draft and seq not in batch.seqs:
-                del seq.token_ids[-seq.num_draft:]
-            seq.num_draft, seq.draft_probs = 0, None
+        self._drop_drafts(batch.seqs + self.scheduler.running, keep=batch.seqs)
         elapsed = time.perf_counter() - start
         phase = "decode" if decode_only else "prefill"
         self.counters[f"{phase}_time_s"] += elapsed
         self.counters[f"{phase}_tokens"] += batch.num_tokens
         self.counters["steps"] += 1
+        return deltas
+
+    def _drop_drafts(self, seqs: list[Sequence], keep: list[Sequence]) -> None:
+        """Drafts not verified this step leave the token list (those in `keep` were verified)."""
+        for seq in seqs:
+            if seq.num_draft and seq not in keep:
+                del seq.token_ids[-seq.num_draft:]
+            seq.num_draft, seq.draft_probs = 0, None
+
+    def _isolate(self, batch: ScheduledBatch, error: Exception) -> list[StreamDelta]:
+        """A step failed. Each of its sequences runs again alone: one that fails by itself ends its
+        request with finish_reason "error"; the others lose nothing. Nothing was committed, so the
+        next step simply redoes their work; writing the same K/V into the same slots is harmless,
+        and the copy-on-write copies are redone first in case the failure came before them."""
+        logger.warning("a model step of %d sequences failed (%s: %s); running them one by one",
+                       len(batch), type(error).__name__, error)
+        self.runner.kv_cache.copy_blocks(batch.copies)
+        deltas: list[StreamDelta] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.is_finished:
+                continue
+            try:
+                self.runner.run(ScheduledBatch([seq], [n]))
+            except WorkerFailedError:
+                raise
+            except Exception as e:
+                deltas += self._fail_request(seq.request_id, e)
+        self._drop_drafts(batch.seqs + self.scheduler.running, keep=[])
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self.block_manager.trim(seq, seq.num_computed_tokens)
+        self._unexplained_failures = 0 if deltas else self._unexplained_failures + 1
+        if self._unexplained_failures >= 2:  # fails together, never alone: not one request's fault
+            raise error
+        return deltas
+
+    def _fail_request(self, request_id: str, error: Exception) -> list[StreamDelta]:
+        request = self.requests[request_id]
+        request.failure = StepFailure(uuid.uuid4().hex[:16], error)
+        logger.error("request %s failed in a model step (error id %s)", request_id, request.failure.error_id,
+                     exc_info=error)
+        deltas = []
+        for seq in request.seqs:
+            seq.pending_fork = 0
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+                deltas.append(StreamDelta(request_id, seq.index, "", [], [], [], "error"))
         return deltas
 
     def _expand_forks(self, seqs: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
@@ -227,7 +315,7 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> tuple[str, str | None]:
         """The text this token adds to the output, and the finish reason if it ends the sequence."""
         params = seq.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in (params.stop_token_ids or ()):
+        if token in seq.stop_token_ids:
             return "", "stop"
         text = seq.detokenizer.push(token)
         if seq.detokenizer.stopped:

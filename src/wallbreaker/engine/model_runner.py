@@ -27,6 +27,10 @@ class StepInputs:
 
 
 class ModelRunner:
+    # Token ids at or past this never come out of a step: an embedding padded past the tokenizer
+    # (Qwen2.5: 151,936 rows for 151,665 tokens) has rows that no text stands for.
+    vocab_limit: int | None = None
+
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, compile: bool = False):
         self.model = model
         self.kv_cache = kv_cache
@@ -77,8 +81,10 @@ class ModelRunner:
         )
         meta.positions = torch.tensor(positions, device=self.device)
         rows = None if all_logits else torch.tensor(sampling_rows, dtype=torch.long, device=self.device)
-        return sampling_seqs, self.execute(StepInputs(torch.tensor(input_ids, device=self.device), meta,
-                                                      batch.copies, rows))
+        logits = self.execute(StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows))
+        if self.vocab_limit is not None and logits.shape[-1] > self.vocab_limit:
+            logits[:, self.vocab_limit:] = float("-inf")
+        return sampling_seqs, logits
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:

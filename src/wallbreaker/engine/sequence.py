@@ -30,12 +30,14 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None where no text is produced (scoring, drafts)
     generator: torch.Generator | None = None
+    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and the request's stop ids
+    cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
     arrival_time: float = field(default_factory=time.perf_counter)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
