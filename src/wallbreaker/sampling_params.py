@@ -8,6 +8,11 @@ from typing import NoReturn
 from wallbreaker.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Stop conditions are checked for every token of every sequence, on the engine thread that all
+# requests share: bounded so that one request cannot slow every step (OpenAI allows 4 strings).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 128
+MAX_STOP_TOKEN_IDS = 1024
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows.
 GREEDY_EPS = 1e-5
 
@@ -81,6 +86,8 @@ class SamplingParams:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 _fail(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
             self.stop_token_ids = list(self.stop_token_ids)
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                _fail(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
             for t in self.stop_token_ids:
                 if not _is_int(t) or t < 0:
                     _fail(f"stop_token_ids must be non-negative ints, got {t!r}")
@@ -106,9 +113,13 @@ def _normalize_stop(stop: object) -> list[str]:
         stop = [stop]
     if not isinstance(stop, (list, tuple)):
         _fail(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        _fail(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
     for s in stop:
         if not isinstance(s, str):
             _fail(f"stop strings must be strings, got {type(s).__name__}")
         if not s:
             _fail("stop strings must be non-empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            _fail(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters; one has {len(s)}")
     return list(stop)

@@ -14,6 +14,7 @@ taken back.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -37,6 +38,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stop = [s for s in stop if s]
+        self._stop_prefixes = _proper_prefixes(tuple(self._stop))
         self._include_stop = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
 
@@ -127,10 +129,16 @@ class IncrementalDetokenizer:
         """Length of the longest suffix of the pending text that is a proper prefix of a stop string."""
         text = self._pending
         for k in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self._stop):
+            if text[-k:] in self._stop_prefixes:
                 return k
         return 0
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
+
+
+@lru_cache(maxsize=256)
+def _proper_prefixes(stop: tuple[str, ...]) -> frozenset[str]:
+    """Every proper prefix of the stop strings: one set lookup per suffix length, whatever their
+    number. Shared by a request's n sequences and by requests with the same stop list."""
+    return frozenset(s[:k] for s in stop for k in range(1, len(s)))
