@@ -1,15 +1,20 @@
 """In-process server apps over tiny models, for tests that need no subprocess."""
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import uvicorn
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from wallbreaker import LLM
 from wallbreaker.server.app import build_app
+from wallbreaker.server.run import uvicorn_config
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
@@ -23,7 +28,7 @@ def make_app(model: Path, *, max_model_len: int = 64, max_num_seqs: int = 4, **s
 def app_client(app: FastAPI) -> Iterator[TestClient]:
     """A client that runs the app's lifespan (so its engine thread stops at the end) and turns
     unexpected exceptions into 500 responses, as a real server does, instead of raising them."""
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, base_url="http://localhost", raise_server_exceptions=False) as client:
         yield client
 
 
@@ -36,3 +41,34 @@ def assert_openai_error(response, status: int, param: str | None = None) -> dict
     if param is not None:
         assert body["error"]["param"] == param, body
     return body["error"]
+
+
+@contextmanager
+def running_server(app: FastAPI) -> Iterator[str]:
+    """The app behind a real uvicorn server (the settings `serve` uses) in a thread of this process,
+    so a test can patch the engine; yields its base URL. The app's config must name a free port."""
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    config = app.state.server.config
+    try:
+        yield f"http://{config.host}:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def metrics_once(client: TestClient, *lines: str, timeout_s: float = 10.0) -> str:
+    """/metrics once it shows every line: the engine thread publishes its state after its next turn
+    (an abort queued by a handler that has already answered lands a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = client.get("/metrics").text
+        if all(line in text for line in lines) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.02)

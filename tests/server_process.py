@@ -20,12 +20,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: Path, *args: str, log_path: Path | None = None):
+    def __init__(self, model: Path, *args: str, log_path: Path | None = None, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "wallbreaker.cli", "serve", "--model", str(model), "--port", str(self.port),
              "--dtype", "float32", *args],

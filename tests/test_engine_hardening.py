@@ -3,11 +3,12 @@ the hardening review): a context larger than the KV pool, a step that fails on o
 padded vocabularies, and drafts from a larger vocabulary."""
 from __future__ import annotations
 
-import shutil
 import threading
 
 import pytest
 import torch
+
+from tiny_models import write_padded_vocab_model
 
 from wallbreaker import LLM, EngineError, InvalidRequestError, SamplingParams
 from wallbreaker.engine.model_runner import ModelRunner
@@ -130,21 +131,7 @@ def test_token_ids_are_checked_before_any_step(tiny_llama, bad):
 # -- padded vocabularies ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def padded_model(tiny_llama, tmp_path_factory):
-    """The tiny llama with 64 embedding rows past its tokenizer, whose output rows win every argmax:
-    a sampler that may pick them emits ids no text stands for (Qwen2.5's embedding has 271 such rows)."""
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("padded")
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama.hf_dir, dtype=torch.float32)
-    real = model.config.vocab_size
-    model.resize_token_embeddings(real + 64, mean_resizing=False)
-    with torch.no_grad():
-        head = model.get_output_embeddings().weight
-        head[real:] = head[:real].abs().mean(0) * 50.0  # huge logits against every hidden state
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_llama.hf_dir / name, out / name)
-    return out, real
+    return write_padded_vocab_model(tiny_llama, tmp_path_factory.mktemp("padded")), tiny_llama.config.vocab_size
 
 
 def test_padded_embedding_rows_are_never_sampled_nor_crash_logprobs(padded_model):

@@ -8,6 +8,7 @@ llama.cpp pre-tokenizer per architecture (llama: "gpt2", qwen2: "qwen2", gemma3:
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,3 +255,21 @@ def make_tiny_model(arch: str, tmp_dir: Path, *, tie_word_embeddings: bool | Non
                      CHAT_TEMPLATE)
     tiny.write_gguf(tiny.gguf_path)
     return tiny
+
+
+def write_padded_vocab_model(tiny: TinyModel, out: Path, extra_rows: int = 64) -> Path:
+    """`tiny`'s HF folder with `extra_rows` embedding rows past its tokenizer, whose output rows win
+    every argmax: a sampler that may pick them emits ids no text stands for (Qwen2.5's embedding
+    has 271 such rows)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32)
+    real = model.config.vocab_size
+    model.resize_token_embeddings(real + extra_rows, mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[real:] = head[:real].abs().mean(0) * 50.0  # huge logits against every hidden state
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny.hf_dir / name, out / name)
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Callable
 
@@ -117,10 +118,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise WallbreakerError(f"the server needs its extra ({e.name} is missing); install with: "
                                "pip install 'wallbreaker[server]'") from e
+    from .server.config import API_KEY_ENV, ServerConfig
+    config = ServerConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, protect_metrics=args.protect_metrics,
+        max_queue=args.max_queue, request_timeout=args.request_timeout or None,
+        max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        allowed_hosts=tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else None)
     llm = load_llm(args)
-    app = build_app(llm, served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
-                    request_timeout=args.request_timeout or None)
-    serve(app, args.host, args.port, log_level=args.log_level)
+    serve(build_app(llm, config), log_level=args.log_level)
     return 0
 
 
@@ -197,12 +204,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $WALLBREAKER_API_KEY, "
+                        "which keeps the key out of `ps`)")
+    p.add_argument("--protect-metrics", action="store_true", help="require the API key on /health and /metrics too")
     p.add_argument("--served-model-name", default=None, help="(default: the model file's stem; 'default' also works)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="sequences that may wait beyond --max-num-seqs before requests get 429 (default: 1024)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before a request is aborted (408); 0 = never (default: 600)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="larger request bodies get 413 (default: 16 MiB)")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="concurrent connections beyond which new ones get 503 (default: 256)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers (default: 10)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names to answer ('*': any; default: loopback names when bound "
+                        "to loopback, any when bound to 0.0.0.0)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     p = sub.add_parser("perplexity", help="perplexity over a text file (llama-perplexity's windows and scoring)")

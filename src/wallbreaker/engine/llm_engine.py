@@ -106,12 +106,15 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_tokens {params.max_tokens} with a prompt of {n} tokens needs {n + params.max_tokens} "
                 f"tokens, more than the context holds ({self.max_model_len}, max_model_len)")
-        limit = self.vocab_limit
-        for t in prompt_token_ids:
-            if type(t) is not int or not 0 <= t < limit:
-                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary (0..{limit - 1})")
+        self.check_token_ids(prompt_token_ids)
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS):
             raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        limit = self.vocab_limit
+        for t in token_ids:
+            if type(t) is not int or not 0 <= t < limit:
+                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary (0..{limit - 1})")
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         params = request.params
@@ -367,6 +370,13 @@ class LLMEngine:
         if fraction is not None:
             metrics["roofline_fraction"] = fraction
         return metrics
+
+    def live_stats(self) -> dict:
+        """The few counts a server publishes after every step; O(1), unlike `stats`."""
+        proposed = self.counters["spec_proposed"]
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.block_manager.pool.num_used, "kv_blocks_total": self.block_manager.pool.num_blocks,
+                "spec_acceptance_rate": self.counters["spec_accepted"] / proposed if proposed else 0.0}
 
     def stats(self) -> dict:
         pool = self.block_manager.pool

@@ -1,19 +1,22 @@
 """The FastAPI app: OpenAI's routes over one `AsyncEngine`."""
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from ..engine.llm import LLM
-from ..errors import InvalidRequestError
 from .access_log import AccessLogMiddleware
 from .async_engine import AsyncEngine
+from .config import ServerConfig
 from .errors import APIError, install_error_handlers, parse_body
+from .guards import BodyGuard, HostCheck, allowed_hosts_for
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ModelCard, ModelList
@@ -28,16 +31,13 @@ def default_model_name(llm: LLM) -> str:
     return path.name if path.is_dir() else path.stem
 
 
-def build_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None, max_queue: int = 1024,
-              request_timeout: float | None = 600.0) -> FastAPI:
-    """The server's app. Its engine thread starts now and stops with the app's lifespan."""
-    if max_queue < 0:
-        raise InvalidRequestError(f"max_queue must be >= 0, got {max_queue}")
-    if request_timeout is not None and request_timeout <= 0:
-        raise InvalidRequestError(f"request_timeout must be positive (or None for no limit), got {request_timeout}")
+def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> FastAPI:
+    """The server's app (`settings` override fields of `config`). Its engine thread starts now and
+    stops with the app's lifespan."""
+    config = dataclasses.replace(config or ServerConfig(), **settings)
     metrics = ServerMetrics()
-    state = ServerState(llm, AsyncEngine(llm, metrics, max_queue), metrics,
-                        served_model_name or default_model_name(llm), api_key, request_timeout)
+    state = ServerState(llm, AsyncEngine(llm, metrics, config.max_queue), metrics,
+                        config.served_model_name or default_model_name(llm), config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -47,19 +47,22 @@ def build_app(llm: LLM, served_model_name: str | None = None, api_key: str | Non
     app = FastAPI(title="wallbreaker", summary="An OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(BodyGuard, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout)
+    app.add_middleware(HostCheck, allowed=allowed_hosts_for(config.host, config.allowed_hosts))
     app.add_middleware(AccessLogMiddleware)
-    v1 = [Depends(_api_key_check(api_key))]
+    v1 = [Depends(_api_key_check(config.api_key))]
+    open_routes = v1 if config.protect_metrics else []
 
-    @app.get("/health")
+    @app.get("/health", dependencies=open_routes)
     async def health() -> Response:
         if not state.engine.alive:
             raise APIError(503, "the engine loop is not running", type="service_unavailable", code="engine_down")
         return Response('{"status":"ok"}', media_type="application/json")
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=open_routes)
     async def metrics_text() -> Response:
-        stats = await state.engine.call(lambda engine: engine.stats())
-        metrics.set_engine_stats(stats, state.engine.queue_length)
+        """From what the engine thread published after its last step: a scrape never waits on it."""
+        metrics.set_engine_stats(state.engine.snapshot, state.engine.queue_length)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=v1)

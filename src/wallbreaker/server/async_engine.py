@@ -8,6 +8,10 @@ queue, so an idle server costs nothing.
 
 Admission is counted in sequences (a request of n choices takes n): up to `max_num_seqs` run and
 up to `max_queue` more wait; beyond that `submit` refuses with a 429 at once.
+
+What the engine's state looks like (running, waiting, KV blocks) is published by the thread after
+every turn as `snapshot`, so that /metrics never queues work onto the thread that generates.
+Engine failures reach clients as a generic message with an error id; the details go to the log.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -103,8 +108,8 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics()
         self.max_num_seqs = llm.config.max_num_seqs
         self.max_queue = max_queue
-        stats = self.engine.stats()  # read before the engine thread starts; never after
-        self.max_prompt_tokens = min(llm.max_model_len, stats["kv_blocks_total"] * stats["kv_block_size"]) - 1
+        self.max_prompt_tokens = llm.max_model_len - 1  # the context never exceeds the KV pool
+        self.snapshot: dict = self.engine.live_stats()  # replaced (never mutated) by the engine thread
         self._seats_used = 0
         self._seats_lock = threading.Lock()
         self._commands: queue.SimpleQueue[Callable[[], None] | object] = queue.SimpleQueue()
@@ -176,10 +181,11 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     try:
                         self._step()
-                    except Exception as e:
-                        logger.exception("engine step failed; failing the requests in flight")
-                        self._fail_all(APIError(500, f"engine error: {type(e).__name__}: {e}",
-                                                type="internal_server_error", code="engine_error"))
+                    except Exception:
+                        error_id = uuid.uuid4().hex[:16]
+                        logger.exception("engine step failed (error id %s); failing the requests in flight", error_id)
+                        self._fail_all(engine_failure(error_id))
+                self.snapshot = self.engine.live_stats()
         finally:
             self._run_late_commands()
             self._fail_all(APIError(503, "the server shut down before the request finished",
@@ -225,7 +231,13 @@ class AsyncEngine:
             for rid in added:
                 self.engine.abort(rid)
                 self._routes.pop(rid, None)
-            _deliver({handle: [Failed(bad_request(str(e)) if isinstance(e, ValueError) else e)]})
+            if isinstance(e, ValueError):
+                error = bad_request(str(e))
+            else:
+                error_id = uuid.uuid4().hex[:16]
+                logger.error("adding a request failed (error id %s)", error_id, exc_info=e)
+                error = engine_failure(error_id)
+            _deliver({handle: [Failed(error)]})
 
     def _abort(self, request_ids: list[str], reason: str) -> None:
         for rid in request_ids:
@@ -251,10 +263,18 @@ class AsyncEngine:
                 ended.append(delta.request_id)
         for rid in dict.fromkeys(ended):
             request = self.engine.requests.get(rid)
-            if request is not None and request.finished:
-                output = self.engine.pop_finished(rid)
+            if request is None or not request.finished:
+                continue
+            failure = request.failure
+            output = self.engine.pop_finished(rid)
+            handle = self._routes.pop(rid)
+            if failure is not None:
+                self.metrics.on_ended_early(rid, request.params.n, "error")
+                events[handle].append(Failed(engine_failure(failure.error_id)))
+            else:
                 self.metrics.on_finished(output)
-                events[self._routes.pop(rid)].append(Finished(output))
+                events[handle].append(Finished(output))
+        self.snapshot = self.engine.live_stats()  # before the answers: a client that then scrapes sees it
         _deliver(events)
 
     def _fail_all(self, error: Exception, reason: str = "error") -> None:
@@ -266,7 +286,14 @@ class AsyncEngine:
                 logger.exception("aborting %s failed", rid)
                 self._routes.pop(rid, None)
             events[handle] = [Failed(error)]
+        self.snapshot = self.engine.live_stats()
         _deliver(events)
+
+
+def engine_failure(error_id: str) -> APIError:
+    """What a client is told when the engine failed on its request: never the error text itself."""
+    return APIError(500, f"the engine failed on this request (error id {error_id}; the server log has the details)",
+                    type="internal_server_error", code="engine_error")
 
 
 def _deliver(events: dict[RequestHandle, list[Event]]) -> None:

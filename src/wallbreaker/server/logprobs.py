@@ -17,10 +17,13 @@ class TokenStrings:
         self._tokenizer = tokenizer
         self._cache: dict[int, tuple[str, bytes]] = {}
 
+    def longest_token_bytes(self) -> int:
+        return max((len(self._tokenizer.token_bytes(i)) for i in range(self._tokenizer.vocab_size)), default=1) or 1
+
     def get(self, token_id: int) -> tuple[str, bytes]:
         entry = self._cache.get(token_id)
         if entry is None:
-            raw = self._tokenizer.token_bytes(token_id)
+            raw = self._token_bytes(token_id)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -30,6 +33,13 @@ class TokenStrings:
 
     def text(self, token_id: int) -> str:
         return self.get(token_id)[0]
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """A token id the tokenizer lacks (a padded embedding row) is spelled as nothing, never an error."""
+        try:
+            return self._tokenizer.token_bytes(token_id)
+        except IndexError:
+            return b""
 
 
 def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int], logprobs: Sequence[float],

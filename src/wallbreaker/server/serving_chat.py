@@ -27,7 +27,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     deadline = state.deadline()
     state.check_model(body.model)
     params = chat_params(body)
-    text, ids = await run_in_threadpool(chat_prompt, state.llm, body.messages, state.engine.max_prompt_tokens)
+    text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens)
     engine_request = EngineRequest(chat_id, text, ids, params)
     access.prompt_tokens = len(ids)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))

@@ -28,7 +28,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     deadline = state.deadline()
     state.check_model(body.model)
     params = completion_params(body)
-    prompts = await run_in_threadpool(completion_prompts, state.llm, body.prompt, state.engine.max_prompt_tokens)
+    prompts = await run_in_threadpool(completion_prompts, state, body.prompt, params.max_tokens)
     requests = [EngineRequest(f"{completion_id}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
     access.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     handle = state.engine.submit(requests, stream=bool(body.stream))

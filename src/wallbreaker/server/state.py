@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ..engine.llm import LLM
 from .async_engine import AsyncEngine
+from .config import ServerConfig
 from .errors import APIError
 from .logprobs import TokenStrings
 from .metrics import ServerMetrics
@@ -19,12 +20,20 @@ class ServerState:
     engine: AsyncEngine
     metrics: ServerMetrics
     model_name: str
-    api_key: str | None = None
-    request_timeout: float | None = None
+    config: ServerConfig = field(default_factory=ServerConfig)
     strings: TokenStrings = field(init=False)
+    max_prompt_chars: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.strings = TokenStrings(self.llm.tokenizer)
+        # No token stands for more characters than the longest one's bytes, so a longer text cannot
+        # fit the context: refused before the tokenizer spends time on it. (Twice that: a normalizer
+        # may compose characters, e.g. NFC's e + U+0301 into é.)
+        self.max_prompt_chars = 2 * self.engine.max_prompt_tokens * self.strings.longest_token_bytes()
+
+    @property
+    def request_timeout(self) -> float | None:
+        return self.config.request_timeout
 
     def check_model(self, name: str | None) -> None:
         """None (left out) and "default" mean the one model served."""
