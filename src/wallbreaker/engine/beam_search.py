@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidRequestError
+from ..layers.sampler import top_logprobs
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .llm_engine import LLMEngine
@@ -55,29 +56,18 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, ma
                 break
             batch = ScheduledBatch()
             for _, seq, _ in live:
-                if seq.num_computed_tokens == 0:
-                    n = bm.allocate_prompt(seq, len(seq.token_ids))
-                else:
-                    n = seq.num_tokens - seq.num_computed_tokens
-                    if not bm.can_append(seq, n):
-                        raise InvalidRequestError("the KV cache is too small for this beam search")
-                    batch.copies += bm.append_slots(seq, n)
-                if n == 0 or (seq.num_computed_tokens + n) != seq.num_tokens:
+                room = bm.reserve(seq, seq.num_tokens - seq.num_computed_tokens)
+                if room is None or seq.num_computed_tokens + room[0] != seq.num_tokens:
                     raise InvalidRequestError("the KV cache is too small for this beam search")
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-            seqs, logits = engine.runner.run(batch)
-            for seq, n in zip(batch.seqs, batch.num_new_tokens):
-                bm.commit(seq, n)
-            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [beams, vocab]
+                batch.add(seq, *room)
+            seqs, logits = engine.forward(batch)
+            best = top_logprobs(torch.log_softmax(logits.float(), dim=-1), 2 * beam_width)  # per beam
             row_of = {id(s): i for i, s in enumerate(seqs)}
             new_beams: list[list[tuple[Sequence, float]]] = []
             for p, group in enumerate(beams):
                 candidates = []
                 for seq, cum in group:
-                    lp = logprobs[row_of[id(seq)]]
-                    top = torch.topk(lp, min(2 * beam_width, lp.numel()))
-                    candidates += [(cum + v, seq, t) for v, t in zip(top.values.tolist(), top.indices.tolist())]
+                    candidates += [(cum + v, seq, t) for t, v in best[row_of[id(seq)]]]
                 candidates.sort(key=lambda c: -c[0])
                 chosen = []
                 for cum, parent, token in candidates:

@@ -12,7 +12,7 @@ import torch
 from ..errors import EngineError, InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..kv import BlockManager
-from ..layers.sampler import processed_probs, sample
+from ..layers.sampler import processed_probs, sample, top_logprobs
 from ..roofline import roofline_fraction
 from ..spec.rejection import verify
 from ..spec.speculator import Speculator
@@ -153,7 +153,7 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         try:
-            sampling_seqs, logits = self.runner.run(batch)
+            sampling_seqs, logits = self.forward(batch)
         except WorkerFailedError:
             raise
         except Exception as error:
@@ -167,9 +167,6 @@ class LLMEngine:
             else:
                 plain.append((seq, row))
             row += 1 + seq.num_draft
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if not seq.num_draft:
-                self.block_manager.commit(seq, n)
         deltas = self._sample_and_append(self._expand_forks(plain), logits) if plain else []
         deltas += [self._verify_and_append(seq, rows) for seq, rows in verifying]
         decode_only = all(n == 1 + s.num_draft for s, n in zip(batch.seqs, batch.num_new_tokens))
@@ -177,7 +174,8 @@ class LLMEngine:
             if decode_only:
                 self.speculator.record_step(batch, run_time)
             self.speculator.release_ended(self.scheduler.running)
-        self._drop_drafts(batch.seqs + self.scheduler.running, keep=batch.seqs)
+        for seq in self.scheduler.running:  # verified, or not scheduled: either way done with
+            seq.drop_drafts()
         elapsed = time.perf_counter() - start
         phase = "decode" if decode_only else "prefill"
         self.counters[f"{phase}_time_s"] += elapsed
@@ -185,12 +183,17 @@ class LLMEngine:
         self.counters["steps"] += 1
         return deltas
 
-    def _drop_drafts(self, seqs: list[Sequence], keep: list[Sequence]) -> None:
-        """Drafts not verified this step leave the token list (those in `keep` were verified)."""
-        for seq in seqs:
-            if seq.num_draft and seq not in keep:
-                del seq.token_ids[-seq.num_draft:]
-            seq.num_draft, seq.draft_probs = 0, None
+    def forward(self, batch: ScheduledBatch, all_logits: bool = False,
+                commit: bool = True) -> tuple[list[Sequence], torch.Tensor]:
+        """The one way a batch goes through the model: its K/V written, then its tokens committed
+        (full blocks offered to the prefix cache); drafts stay uncommitted until verified. The
+        sequences that caught up and their logits rows (see `ModelRunner.run`)."""
+        seqs, logits = self.runner.run(batch, all_logits)
+        if commit:
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                if not seq.num_draft:
+                    self.block_manager.commit(seq, n)
+        return seqs, logits
 
     def _isolate(self, batch: ScheduledBatch, error: Exception) -> list[StreamDelta]:
         """A step failed. Each of its sequences runs again alone: one that fails by itself ends its
@@ -205,12 +208,13 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             try:
-                self.runner.run(ScheduledBatch([seq], [n]))
+                self.forward(ScheduledBatch([seq], [n]), commit=False)
             except WorkerFailedError:
                 raise
             except Exception as e:
                 deltas += self._fail_request(seq.request_id, e)
-        self._drop_drafts(batch.seqs + self.scheduler.running, keep=[])
+        for seq in batch.seqs + self.scheduler.running:
+            seq.drop_drafts()
         for seq in batch.seqs:
             if not seq.is_finished:
                 self.block_manager.trim(seq, seq.num_computed_tokens)
@@ -263,9 +267,8 @@ class LLMEngine:
 
     def _verify_and_append(self, seq: Sequence, logits: torch.Tensor) -> StreamDelta:
         """Rejection-sample the drafts riding on `seq` against the target's logits [1 + K, V]."""
-        k = seq.num_draft
-        drafts = seq.token_ids[-k:]
-        del seq.token_ids[-k:]
+        drafts = list(seq.spec_token_ids)
+        k = len(drafts)
         outputs = seq.output_token_ids
         p = processed_probs(logits, [seq.params] * (k + 1), [seq.prompt_token_ids] * (k + 1),
                             [outputs + drafts[:j] for j in range(k + 1)])  # [K + 1, V]
@@ -276,10 +279,8 @@ class LLMEngine:
         tokens = drafts[:accepted] + [nxt]
         raw = torch.log_softmax(logits.float(), dim=-1)  # [K + 1, V]
         logprobs = [float(raw[j, t]) for j, t in enumerate(tokens)]
-        tops = [_top(raw[j], seq.params.logprobs) for j in range(len(tokens))]
-        seq.spec_proposed += k
-        seq.spec_accepted += accepted
-        seq.acceptance = 0.8 * seq.acceptance + 0.2 * accepted / k
+        tops = top_logprobs(raw[:len(tokens)], seq.params.logprobs or 0)
+        seq.record_verification(k, accepted)
         self.counters["spec_proposed"] += k
         self.counters["spec_accepted"] += accepted
         self.counters["spec_verify_steps"] += 1
@@ -415,9 +416,3 @@ def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
         return q[:, :vocab]
     return torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
 
-
-def _top(logprobs: torch.Tensor, k: int | None) -> list[tuple[int, float]]:
-    if not k:
-        return []
-    top = torch.topk(logprobs, k)
-    return list(zip(top.indices.tolist(), top.values.tolist()))

@@ -64,11 +64,11 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillSpan(len(input_ids), n, end, torch.tensor(seq.block_table, device=self.device)))
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.tokens_to_compute(start, end)
             positions += range(start, end)
             slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                       for p in range(start, end)]
-            if end == seq.num_tokens:  # caught up: logits for the last token, and for each draft before it
+            if end == seq.num_tokens_with_spec:  # caught up: logits for the last token and each draft
                 sampling_rows += range(len(input_ids) - 1 - seq.num_draft, len(input_ids))
                 sampling_seqs.append(seq)
         width = max((len(t) for t in decode_tables), default=0)

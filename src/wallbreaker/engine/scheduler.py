@@ -25,6 +25,11 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def add(self, seq: Sequence, num_new_tokens: int, copies: list[tuple[int, int]] = ()) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        self.copies += copies
+
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
@@ -52,17 +57,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = seq.num_tokens - seq.num_computed_tokens
+            n = seq.num_tokens_with_spec - seq.num_computed_tokens
             if seq.num_draft and n > budget:  # drafts that do not fit this step are dropped, not split
-                drop = min(seq.num_draft, n - budget)
-                del seq.token_ids[-drop:]
-                seq.num_draft -= drop
-                n -= drop
+                seq.drop_drafts(keep=max(0, seq.num_draft - (n - budget)))
+                n = seq.num_tokens_with_spec - seq.num_computed_tokens
             n = min(n, budget)
             if seq.num_draft and not self.block_manager.can_append(seq, n):  # drafts never cost a preemption
-                del seq.token_ids[-seq.num_draft:]
                 n -= seq.num_draft
-                seq.num_draft = 0
+                seq.drop_drafts()
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -70,9 +72,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.copies += self.block_manager.append_slots(seq, n)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                batch.add(seq, n, self.block_manager.append_slots(seq, n))
                 budget -= n
                 i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -86,16 +86,13 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if seq.num_draft:
-            del seq.token_ids[-seq.num_draft:]
-            seq.num_draft = 0
+        seq.drop_drafts()
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

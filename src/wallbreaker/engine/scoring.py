@@ -26,11 +26,11 @@ def prompt_logits(engine: LLMEngine, token_ids: list[int], chunk_size: int | Non
         if bm.blocks_needed(len(token_ids)) > bm.pool.num_free:
             raise InvalidRequestError("the KV cache is too small to score this many tokens at once")
         while seq.num_computed_tokens < len(token_ids):
-            n = min(chunk, len(token_ids) - seq.num_computed_tokens)
-            bm.append_slots(seq, n)
-            _, logits = engine.runner.run(ScheduledBatch([seq], [n]), all_logits=True)
-            bm.commit(seq, n)
-            rows.append(logits)
+            room = bm.reserve(seq, min(chunk, len(token_ids) - seq.num_computed_tokens), reuse_prefix=False)
+            assert room is not None  # the whole text's blocks were checked to be free
+            batch = ScheduledBatch()
+            batch.add(seq, *room)
+            rows.append(engine.forward(batch, all_logits=True)[1])
     finally:
         bm.free(seq)
     return torch.cat(rows)

@@ -3,6 +3,9 @@
 There is no prefill or decode state: like vLLM v1, a sequence has `num_computed_tokens` catching up
 with `len(token_ids)`. A new prompt is far behind (prefill, maybe in chunks); a decoding sequence is
 one behind (the token it just sampled). Preemption sets it back to zero; it catches up again.
+
+Speculative drafts are not tokens of the sequence: they wait in `spec_token_ids` (vLLM v1's name)
+for one step, computed after `token_ids`, until verification appends what it accepts.
 """
 from __future__ import annotations
 
@@ -14,6 +17,13 @@ import torch
 
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
+
+
+# A new sequence's guess at the fraction of drafts accepted, before it has verified any: high enough
+# that speculation is tried at once; the moving average (weight ACCEPTANCE_SMOOTHING on the newest
+# step) soon takes over.
+INITIAL_ACCEPTANCE = 0.7
+ACCEPTANCE_SMOOTHING = 0.2
 
 
 class SequenceStatus(enum.Enum):
@@ -46,16 +56,43 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     pending_fork: int = 0  # siblings still to be forked off this sequence at its first sample (n > 1)
-    # speculative decoding: drafts ride at the end of token_ids during one step, then are verified
-    num_draft: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     draft_probs: torch.Tensor | None = None  # [num_draft, V] the distributions they were drawn from
     spec_proposed: int = 0
     spec_accepted: int = 0
-    acceptance: float = 0.7  # moving average of the fraction of drafts accepted
+    acceptance: float = INITIAL_ACCEPTANCE  # moving average of the fraction of drafts accepted
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.spec_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """What a step computes up to: the tokens, then the drafts."""
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+    def tokens_to_compute(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of token_ids followed by the drafts."""
+        if end <= len(self.token_ids):
+            return self.token_ids[start:end]
+        return (self.token_ids + self.spec_token_ids)[start:end]
+
+    def record_verification(self, proposed: int, accepted: int) -> None:
+        self.spec_proposed += proposed
+        self.spec_accepted += accepted
+        self.acceptance += ACCEPTANCE_SMOOTHING * (accepted / proposed - self.acceptance)
+
+    def drop_drafts(self, keep: int = 0) -> None:
+        """Forget all but the first `keep` drafts (they were not verified, or did not fit a step)."""
+        del self.spec_token_ids[keep:]
+        if not self.spec_token_ids:
+            self.draft_probs = None
+        elif self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:keep]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -42,11 +42,11 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def allocate_prompt(self, seq: PagedSequence, max_new_tokens: int) -> int:
+    def allocate_prompt(self, seq: PagedSequence, max_new_tokens: int, reuse_prefix: bool = True) -> int:
         """Start a sequence that holds no blocks: reuse its cached prefix, then take blocks for up to
         `max_new_tokens` more tokens. Returns the number of tokens to compute now (0: no room)."""
         assert not seq.block_table
-        hits = self.cached_prefix(seq) if self.pool.enable_prefix_caching else []
+        hits = self.cached_prefix(seq) if reuse_prefix and self.pool.enable_prefix_caching else []
         computed = len(hits) * self.block_size
         num_new = min(len(seq.token_ids) - computed, max_new_tokens)
         revived = sum(1 for b in hits if b.ref_count == 0)
@@ -60,6 +60,19 @@ class BlockManager:
         seq.num_computed_tokens = computed
         self._grow(seq, computed + num_new)
         return num_new
+
+    def reserve(self, seq: PagedSequence, max_new_tokens: int,
+                reuse_prefix: bool = True) -> tuple[int, list[tuple[int, int]]] | None:
+        """Room for up to `max_new_tokens` more tokens of `seq`, for callers without a scheduler (beam
+        search, scoring, a draft model): a sequence holding no blocks starts (its cached prefix
+        reused, unless every position must be computed), one holding blocks appends. (tokens to
+        compute now, copies to run first), or None when the pool has no room."""
+        if not seq.block_table:
+            n = self.allocate_prompt(seq, max_new_tokens, reuse_prefix)
+            return (n, []) if n else None
+        if not self.can_append(seq, max_new_tokens):
+            return None
+        return max_new_tokens, self.append_slots(seq, max_new_tokens)
 
     def can_append(self, seq: PagedSequence, num_new_tokens: int) -> bool:
         end = seq.num_computed_tokens + num_new_tokens

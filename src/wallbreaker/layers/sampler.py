@@ -1,4 +1,5 @@
-"""The one sampler: plain decoding, n > 1, beam search and speculative decoding all draw here.
+"""The one sampler: plain decoding, n > 1 and speculative decoding draw here; beam search and every
+logprob report rank candidates with `top_logprobs`.
 
 Pipeline per row: penalties -> temperature -> top-k -> top-p -> min-p -> renormalize -> draw.
 Rows carry their own `SamplingParams`; the filtering is vectorized over the batch, and the
@@ -226,20 +227,27 @@ def _top_p_drop(probs: Tensor, top_p: Tensor, candidates: int | None = None) -> 
     return drop
 
 
+def top_logprobs(logprobs: Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The k best (token id, logprob) of each row of [B, V], best first, ties by lower token id
+    (also across the k-th place: every token tied with the k-th is a candidate)."""
+    if k <= 0:
+        return [[] for _ in range(logprobs.shape[0])]
+    k = min(k, logprobs.shape[-1])
+    kth = logprobs.topk(k, dim=-1).values[:, -1:]  # [B, 1]
+    rows, ids = (logprobs >= kth).nonzero(as_tuple=True)
+    vals = logprobs[rows, ids]
+    out: list[list[tuple[int, float]]] = [[] for _ in range(logprobs.shape[0])]
+    for row, token, value in zip(rows.tolist(), ids.tolist(), vals.tolist()):
+        out[row].append((token, value))
+    return [sorted(pairs, key=lambda t: (-t[1], t[0]))[:k] for pairs in out]
+
+
 def _top_logprobs(raw_logprobs: Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]] | None:
     wanted = [p.logprobs for p in params]
     if all(w is None for w in wanted):
         return None
-    k = max(w or 0 for w in wanted)
-    if k == 0:
-        return [[] for _ in params]
-    vals, ids = raw_logprobs.topk(k, dim=-1)  # [B, k]
-    vals, ids = vals.tolist(), ids.tolist()
-    result = []
-    for row, w in enumerate(wanted):
-        pairs = sorted(zip(ids[row], vals[row]), key=lambda t: (-t[1], t[0]))
-        result.append(pairs[: w or 0])
-    return result
+    best = top_logprobs(raw_logprobs, max(w or 0 for w in wanted))
+    return [pairs[: w or 0] for pairs, w in zip(best, wanted)]
 
 
 def _flat_ids(rows_ids: list[tuple[int, Sequence[int]]], V: int, device: torch.device) -> Tensor:

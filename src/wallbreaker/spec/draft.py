@@ -12,12 +12,17 @@ from ..errors import InvalidRequestError
 from ..layers.sampler import processed_probs, sample_from_probs
 
 
+# A seeded draft draws from its own stream, far from its target's (seed + index): the golden-ratio
+# constant of hashing, so that no small seed or index makes the two meet.
+DRAFT_SEED_OFFSET = 0x9E3779B1
+
+
 class DraftProposer:
     def __init__(self, draft_llm, target_tokenizer):
         check_vocabularies(target_tokenizer, draft_llm.tokenizer)
         self.llm = draft_llm
+        self.engine = draft_llm.engine
         self.block_manager = draft_llm.engine.block_manager
-        self.runner = draft_llm.engine.runner
         self.seqs: dict[int, Sequence] = {}
 
     def forget_except(self, live_seq_ids: set[int]) -> None:
@@ -48,17 +53,13 @@ class DraftProposer:
                 i = slot_of[index[id(d)]]
                 if len(drafts[i]) >= k or (drafts[i] == [] and steps > 0):
                     continue
-                n = d.num_tokens - d.num_computed_tokens
-                if not self.block_manager.can_append(d, n):
+                room = self.block_manager.reserve(d, d.num_tokens - d.num_computed_tokens)
+                if room is None:  # the draft's pool is full: no drafts for this one
                     continue
-                batch.copies += self.block_manager.append_slots(d, n)
-                batch.seqs.append(d)
-                batch.num_new_tokens.append(n)
+                batch.add(d, *room)
             if not batch.seqs:
                 break
-            seqs, logits = self.runner.run(batch)
-            for d, n in zip(batch.seqs, batch.num_new_tokens):
-                self.block_manager.commit(d, n)
+            seqs, logits = self.engine.forward(batch)
             q = processed_probs(logits, [d.params for d in seqs], [d.prompt_token_ids for d in seqs],
                                 [d.output_token_ids for d in seqs])  # [B, V_draft]
             tokens = sample_from_probs(q, [d.generator for d in seqs]).tolist()
@@ -76,7 +77,7 @@ class DraftProposer:
         if d is None:
             generator = None
             if target.params.seed is not None:
-                generator = torch.Generator().manual_seed(target.params.seed + 0x9E3779B1 + target.index)
+                generator = torch.Generator().manual_seed(target.params.seed + DRAFT_SEED_OFFSET + target.index)
             d = Sequence(target.seq_id, target.request_id, target.index, list(target.token_ids),
                          target.num_prompt_tokens, target.params, None, generator)
             self.seqs[target.seq_id] = d

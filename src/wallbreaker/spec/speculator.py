@@ -1,6 +1,6 @@
 """Speculation inside the engine loop: before each step, decoding sequences get K drafted tokens
-(K chosen per sequence by the controller), which ride at the end of their token list through one
-target pass; the engine then verifies them (spec/rejection.py)."""
+(K chosen per sequence by the controller) in their `spec_token_ids`, computed after their tokens in
+one target pass; the engine then verifies them (spec/rejection.py)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -60,8 +60,7 @@ class Speculator:
             self.controller.record_draft_step(per_step)
         for seq, tokens, q in zip(candidates, drafts, probs):
             if tokens:
-                seq.token_ids += tokens
-                seq.num_draft = len(tokens)
+                seq.spec_token_ids = list(tokens)
                 seq.draft_probs = q
 
     def record_step(self, batch: "ScheduledBatch", seconds: float) -> None:
