@@ -1,9 +1,53 @@
 """Model configuration: one dataclass that every architecture is described by."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
+
+
+class ConfigError(ValueError):
+    """A ModelConfig field no model can have; `field` names it, so that a loader can name its key."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """repr(value), cut short: a crafted file may hold a megabyte where a number belongs."""
+    if isinstance(value, (list, tuple, dict)) and len(value) > 8:
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not _is_int(value):
+        raise ConfigError(name, f"{name} must be an integer, got {short_repr(value)}")
+    if value <= 0:
+        raise ConfigError(name, f"{name} must be positive, got {value}")
+
+
+def _positive_float(name: str, value: object) -> None:
+    if not isinstance(value, Real) or isinstance(value, bool):
+        raise ConfigError(name, f"{name} must be a number, got {short_repr(value)}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not (finite and value > 0):
+        raise ConfigError(name, f"{name} must be finite and positive, got {value}")
 
 
 @dataclass(frozen=True)
@@ -42,16 +86,49 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        """Refuse what no model can be, whichever loader read it: a loader turns the ValueError into
+        a ModelFormatError naming its file and key. Sizes that tensors have are checked against
+        the tensors by `check_weights`; these are the rules no shape check would catch."""
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            raise ConfigError("architecture", f"unsupported architecture {short_repr(self.architecture)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            _positive_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
-        if self.layer_types and len(self.layer_types) != self.num_layers:
-            raise ValueError("layer_types must name every layer")
+            raise ConfigError("num_kv_heads", f"num_heads ({self.num_heads}) must be a multiple of "
+                                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError("head_dim", f"head_dim must be even (RoPE rotates pairs of channels), got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta", "rope_scaling_factor"):
+            _positive_float(name, getattr(self, name))
+        for name in ("query_pre_attn_scalar", "rope_local_theta"):
+            if getattr(self, name) is not None:
+                _positive_float(name, getattr(self, name))
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+        for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "sandwich_norm", "embed_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"{name} must be true or false, got {short_repr(getattr(self, name))}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError("hidden_act", f"hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got {short_repr(self.hidden_act)}")
+        if not isinstance(self.layer_types, tuple) or (self.layer_types and len(self.layer_types) != self.num_layers):
+            raise ConfigError("layer_types", f"layer_types must name every layer: {self.num_layers} layers, "
+                                             f"{len(self.layer_types)} types")
+        if any(t not in LAYER_TYPES for t in self.layer_types):
+            bad = next(t for t in self.layer_types if t not in LAYER_TYPES)
+            raise ConfigError("layer_types", f"layer_types must be {' or '.join(LAYER_TYPES)}, got {short_repr(bad)}")
+        if self.bos_token_id is not None:
+            self._token_id("bos_token_id", self.bos_token_id)
+        if not isinstance(self.eos_token_ids, tuple):
+            raise ConfigError("eos_token_ids", f"eos_token_ids must be a tuple, got {short_repr(self.eos_token_ids)}")
+        for i in self.eos_token_ids:
+            self._token_id("eos_token_ids", i)
+
+    def _token_id(self, name: str, value: object) -> None:
+        if not _is_int(value):
+            raise ConfigError(name, f"{name} must be an integer token id, got {short_repr(value)}")
+        if not 0 <= value < self.vocab_size:
+            raise ConfigError(name, f"{name} {value} is outside the embedding's {self.vocab_size} rows")
 
     @property
     def attn_scale(self) -> float:

@@ -65,26 +65,38 @@ class ModelFiles:
 
 
 def check_weights(source: str, cfg: ModelConfig, weights: dict[str, WeightRef]) -> None:
-    """Every tensor the architecture reads must be there with the shape the metadata implies."""
+    """Every tensor the architecture reads must be there with the shape the metadata implies.
+
+    Checked layer by layer, so that memory stays bounded whatever `num_layers` claims; a layer
+    count the tensors cannot hold is refused before any layer is looked at."""
     h, q, kv, ff = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    expected = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
+    per_layer = 9 + 3 * cfg.qkv_bias + 2 * cfg.qk_norm + 2 * cfg.sandwich_norm
+    if cfg.num_layers * per_layer > len(weights):
+        raise ModelFormatError(f"{source}: {cfg.num_layers} layers need at least {cfg.num_layers * per_layer} "
+                               f"tensors but the model has {len(weights)}")
+
+    def check(expected: dict[str, tuple[int, ...]]) -> None:
+        for name, shape in expected.items():
+            if name not in weights:
+                raise ModelFormatError(f"{source}: missing tensor {name!r}")
+            if tuple(weights[name].shape) != shape:
+                raise ModelFormatError(
+                    f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+
+    top = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
-        expected["output.weight"] = (cfg.vocab_size, h)
+        top["output.weight"] = (cfg.vocab_size, h)
+    check(top)
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        expected.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
-                         p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h),
-                         p + "attn_output.weight": (h, q), p + "ffn_gate.weight": (ff, h),
-                         p + "ffn_up.weight": (ff, h), p + "ffn_down.weight": (h, ff)})
+        expected = {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
+                    p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h),
+                    p + "attn_output.weight": (h, q), p + "ffn_gate.weight": (ff, h),
+                    p + "ffn_up.weight": (ff, h), p + "ffn_down.weight": (h, ff)}
         if cfg.qkv_bias:
             expected.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
         if cfg.qk_norm:
             expected.update({p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)})
         if cfg.sandwich_norm:
             expected.update({p + "post_attention_norm.weight": (h,), p + "post_ffw_norm.weight": (h,)})
-    for name, shape in expected.items():
-        if name not in weights:
-            raise ModelFormatError(f"{source}: missing tensor {name!r}")
-        if tuple(weights[name].shape) != shape:
-            raise ModelFormatError(
-                f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
+        check(expected)
