@@ -18,7 +18,8 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
-from wallbreaker.errors import ModelFormatError, UnsupportedModelError
+from wallbreaker.config import short_repr
+from wallbreaker.errors import ModelFormatError, UnsupportedModelError, WallbreakerError
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -84,6 +85,10 @@ _FIM_EOG_TEXTS = frozenset({
 _EOG_ID_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id", "fim_pad_token_id", "fim_rep_token_id",
                 "fim_sep_token_id")
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# Characters sliced while deriving SentencePiece merges, per character of the vocabulary (plus a
+# base): real vocabularies need a few dozen at most (about half their average token length).
+_MERGE_WORK_PER_CHARACTER = 256
+_MERGE_WORK_BASE = 1 << 24
 
 
 @cache
@@ -118,11 +123,19 @@ class Tokenizer:
         add_eos: bool = False,
         stop_token_ids: Iterable[int] = (),
         byte_level: bool,
+        vocab_size: int | None = None,
+        post_processor_ids: Iterable[int] = (),
     ) -> None:
         self._backend = backend
         self._byte_level = byte_level
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
-        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        if vocab_size is None:
+            vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        # The ids of the tokenizer are 0..vocab_size - 1 (a GGUF's token count, else the largest id + 1):
+        # an embedding may have more rows (a padded vocabulary), which no text stands for.
+        self.vocab_size: int = vocab_size
+        # Ids the Hugging Face post-processor would add (TemplateProcessing's special tokens...).
+        self.post_processor_ids: frozenset[int] = frozenset(post_processor_ids)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos = add_bos and bos_token_id is not None
@@ -153,7 +166,7 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
-        return self._backend.id_to_token(i)
+        return self._backend.id_to_token(i) if 0 <= i < self.vocab_size else None
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -161,7 +174,7 @@ class Tokenizer:
     def token_bytes(self, i: int) -> bytes:
         """The raw bytes token `i` stands for, so streamed output can be cut on UTF-8 boundaries.
         An added (special or user-defined) token is its literal text."""
-        token = self._backend.id_to_token(i)
+        token = self.id_to_token(i)
         if token is None:
             raise IndexError(f"token id {i} is outside the vocabulary of {self.vocab_size}")
         if i in self._added_ids:
@@ -202,30 +215,45 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """The tokenizer llama.cpp builds from these keys. Any key of the wrong kind, or a
+        vocabulary the tokenizers library refuses, is a one-line ModelFormatError naming the key."""
         model = metadata.get("tokenizer.ggml.model")
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ModelFormatError("GGUF metadata has no tokenizer.ggml.tokens")
-        tokens = [str(t) for t in tokens]
-        types = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise ModelFormatError(f"tokenizer.ggml.tokens must be an array of strings, got {short_repr(tokens)}")
+        types = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if not isinstance(types, list) or not all(isinstance(k, int) for k in types):
+            raise ModelFormatError(f"tokenizer.ggml.token_type must be an array of integers, got {short_repr(types)}")
         if len(types) != len(tokens):
             raise ModelFormatError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
 
         pre = metadata.get("tokenizer.ggml.pre") or "default"
-        if model == "gpt2":
-            backend = _byte_level_backend(metadata, tokens, types, pre)
-            add_bos_default, default_bos, default_eos = pre in _ADDS_BOS, None, None
-        elif model == "llama":
-            backend = _sentencepiece_backend(metadata, tokens, types)
-            add_bos_default, default_bos, default_eos = True, 1, 2
-        else:
-            raise UnsupportedModelError(
-                f"tokenizer model {model!r} is not supported (supported: 'gpt2', 'llama')"
-            )
+        if not isinstance(pre, str):
+            raise ModelFormatError(f"tokenizer.ggml.pre must be a string, got {short_repr(pre)}")
+        try:
+            if model == "gpt2":
+                backend = _byte_level_backend(metadata, tokens, types, pre)
+                add_bos_default, default_bos, default_eos = pre in _ADDS_BOS, None, None
+            elif model == "llama":
+                backend = _sentencepiece_backend(metadata, tokens, types)
+                add_bos_default, default_bos, default_eos = True, 1, 2
+            else:
+                raise UnsupportedModelError(
+                    f"tokenizer model {short_repr(model)} is not supported (supported: 'gpt2', 'llama')"
+                )
+        except WallbreakerError:
+            raise
+        except Exception as e:  # the tokenizers library raises a bare Exception for merges of unknown tokens
+            raise ModelFormatError(f"tokenizer.ggml.*: the tokenizers library refuses this vocabulary: {_one_line(e)}") from e
 
         def token_id(key: str, default: int | None = None) -> int | None:
+            """The id under `key`; None where llama.cpp would ignore it (outside the vocabulary)."""
             value = metadata.get(f"tokenizer.ggml.{key}", default)
-            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ModelFormatError(f"tokenizer.ggml.{key} must be an integer token id, got {short_repr(value)}")
+            return value if value is not None and 0 <= value < len(tokens) else None
 
         bos, eos = token_id("bos_token_id", default_bos), token_id("eos_token_id", default_eos)
         add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default))
@@ -242,6 +270,7 @@ class Tokenizer:
             add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
             stop_token_ids=end_of_generation_ids(control, explicit),
             byte_level=model == "gpt2",
+            vocab_size=len(tokens),
         )
 
     @classmethod
@@ -272,10 +301,14 @@ class Tokenizer:
 
         # As in transformers 5, tokenizer.json's post-processor, not tokenizer_config.json's
         # add_bos_token, decides what encoding adds.
-        with_specials = backend.encode("", add_special_tokens=True).ids
+        try:
+            with_specials = backend.encode("", add_special_tokens=True).ids
+        except Exception as e:
+            raise ModelFormatError(f"{file}: its post-processor fails: {_one_line(e)}") from e
         add_bos = bos is not None and with_specials[:1] == [bos]
         add_eos = eos is not None and with_specials[-1:] == [eos] and len(with_specials) > int(add_bos)
-        decoder = json.loads(backend.to_str()).get("decoder")
+        state = json.loads(backend.to_str())
+        decoder = state.get("decoder")
         return cls(
             backend,
             bos_token_id=bos,
@@ -286,7 +319,46 @@ class Tokenizer:
                 {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}, config_eos
             ),
             byte_level='"ByteLevel"' in json.dumps(decoder),
+            post_processor_ids=_post_processor_ids(state.get("post_processor")),
         )
+
+
+def check_token_ids(tokenizer: Tokenizer, rows: int, source: str, embedding: str) -> None:
+    """Refuse a tokenizer that can produce an id the embedding has no row for (llama.cpp refuses
+    these files too); a padded embedding, with rows no token stands for, is fine."""
+    if tokenizer.vocab_size > rows:
+        raise ModelFormatError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but {embedding} has "
+                               f"only {rows} rows")
+    named = [("bos_token_id", tokenizer.bos_token_id), ("eos_token_id", tokenizer.eos_token_id),
+             *(("end-of-generation token id", i) for i in sorted(tokenizer.stop_token_ids)),
+             *(("the post-processor's token id", i) for i in sorted(tokenizer.post_processor_ids))]
+    for what, i in named:
+        if i is not None and not 0 <= i < rows:
+            raise ModelFormatError(f"{source}: {what} {i} is outside the {rows} rows of {embedding}")
+
+
+def _post_processor_ids(node: Any) -> set[int]:
+    """Every token id a serialized post-processor adds: TemplateProcessing's `special_tokens`
+    ids, BertProcessing/RobertaProcessing's `cls`/`sep` pairs, within Sequences too."""
+    ids: set[int] = set()
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "ids" and isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+            elif key in ("cls", "sep") and isinstance(value, list) and len(value) == 2 and isinstance(value[1], int):
+                ids.add(value[1])
+            else:
+                ids |= _post_processor_ids(value)
+    elif isinstance(node, list):
+        for value in node:
+            ids |= _post_processor_ids(value)
+    return ids
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    text = text if len(text) <= 300 else text[:300] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def end_of_generation_ids(token_to_id: Mapping[str, int], explicit: Iterable[int] = ()) -> set[int]:
@@ -316,7 +388,7 @@ def _byte_level_backend(metadata: Mapping[str, Any], tokens: list[str], types: l
     def spelled(token: str, kind: int) -> str:
         if kind in (CONTROL, USER_DEFINED) or all(c in alphabet for c in token):
             return token
-        return "".join(spelling[b] for b in token.encode())
+        return "".join(spelling[b] for b in token.encode("utf-8", "surrogateescape"))
 
     vocab = {spelled(t, k): i for i, (t, k) in enumerate(zip(tokens, types))}
     merges = _parse_merges(metadata.get("tokenizer.ggml.merges"))
@@ -351,9 +423,11 @@ def _sentencepiece_backend(metadata: Mapping[str, Any], tokens: list[str], types
             ranks = {t: -i for i, t in enumerate(spelled)}
         else:
             scores = metadata.get("tokenizer.ggml.scores")
-            if scores is None or len(scores) != len(tokens):
+            if not isinstance(scores, list) or len(scores) != len(tokens):
                 raise ModelFormatError("SentencePiece GGUF tokenizer has neither merges nor one score per token")
-            ranks = dict(zip(tokens, (float(s) for s in scores)))
+            if not all(isinstance(x, (int, float)) for x in scores):
+                raise ModelFormatError(f"tokenizer.ggml.scores must be an array of numbers, got {short_repr(scores)}")
+            ranks = dict(zip(tokens, (float(x) for x in scores)))
         merges = _merges_from_vocab(vocab, ranks)
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = spelled[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(spelled) else "<unk>"
@@ -383,25 +457,53 @@ def _add_special_tokens(backend: Backend, tokens: list[str], types: list[int], v
         backend.add_tokens(user)
 
 
-def _parse_merges(merges: Sequence[str] | None) -> list[tuple[str, str]] | None:
+def _parse_merges(merges: Any) -> list[tuple[str, str]] | None:
     if merges is None:
         return None
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise ModelFormatError(f"tokenizer.ggml.merges must be an array of strings, got {short_repr(merges)}")
     pairs = []
     for merge in merges:
         cut = merge.find(" ", 1)
         if cut < 0:
-            raise ModelFormatError(f"malformed tokenizer merge {merge!r}")
+            raise ModelFormatError(f"tokenizer.ggml.merges: malformed merge {short_repr(merge)}")
         pairs.append((merge[:cut], merge[cut + 1:]))
     return pairs
 
 
 def _merges_from_vocab(vocab: Mapping[str, int], ranks: Mapping[str, float]) -> list[tuple[str, str]]:
     """Every split of a token into two vocabulary tokens, best-ranked token first; the order
-    transformers' `generate_merges` gives, so that both tokenizers merge alike."""
+    transformers' `generate_merges` gives, so that both tokenizers merge alike.
+
+    A split point k is only tried where some vocabulary token is k long and some is n - k long,
+    so a token far longer than the others costs one pass over the distinct token lengths, not
+    n slices of n characters (a 1 MB token took hours). The merges hold the vocabulary's own
+    strings, and the slicing work is bounded by a multiple of the vocabulary's size."""
+    lengths = sorted({len(t) for t in vocab})
+    have_length = set(lengths)
+    canonical = {t: t for t in vocab}
+    budget = _MERGE_WORK_PER_CHARACTER * sum(map(len, vocab)) + _MERGE_WORK_BASE
     merges: list[tuple[str, str, float]] = []
     for token, rank in ranks.items():
-        local = [(token[:k], token[k:], rank) for k in range(1, len(token))
-                 if token[:k] in vocab and token[k:] in vocab]
+        n = len(token)
+        local = []
+        for k in lengths:
+            if k >= n:
+                break
+            if n - k not in have_length:
+                continue
+            budget -= k
+            left = canonical.get(token[:k])
+            if left is None:
+                continue
+            budget -= n - k
+            right = canonical.get(token[k:])
+            if right is not None:
+                local.append((left, right, rank))
+        if budget < 0:
+            raise ModelFormatError(
+                "tokenizer.ggml.tokens: deriving SentencePiece merges from this vocabulary needs more than "
+                f"{_MERGE_WORK_PER_CHARACTER} steps per character of its tokens; no real vocabulary overlaps that much")
         local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
         merges.extend(local)
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
@@ -419,8 +521,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _id_list(value: Any) -> list[int]:
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return [value]
     if isinstance(value, list):
-        return [v for v in value if isinstance(v, int)]
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
