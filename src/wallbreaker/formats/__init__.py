@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import ModelNotFoundError
+from ..errors import ModelFormatError, ModelNotFoundError, WallbreakerError
 from .packaged import DEFAULT_MODEL, PACKAGED_MODELS, packaged_model_path
 from .weights import ModelFiles, WeightRef
 
@@ -22,12 +22,26 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
 
 
 def open_model(model: str | os.PathLike | None) -> ModelFiles:
+    """The model's files, or a typed error: the loaders refuse bad files with a one-line
+    ModelFormatError or UnsupportedModelError naming the file and the key; any other exception
+    that escapes one of them (a case nobody thought of) becomes a ModelFormatError here, chained."""
     path = resolve_model_path(model)
-    if path.is_dir():
-        from .hf_model import read_hf_folder
-        return read_hf_folder(path)
-    from .gguf_model import read_gguf_model
-    return read_gguf_model(path)
+    try:
+        if path.is_dir():
+            from . import hf_model
+            return hf_model.read_hf_folder(path)
+        from . import gguf_model
+        return gguf_model.read_gguf_model(path)
+    except WallbreakerError:
+        raise
+    except Exception as e:
+        detail = " ".join(str(e).split())
+        detail = detail if len(detail) <= 300 else detail[:300] + "..."
+        raise ModelFormatError(f"{path}: cannot read this model ({UNEXPECTED}): {type(e).__name__}: {detail}") from e
+
+
+# The safety net's mark in its messages: a test that sees it has found a case the loaders miss.
+UNEXPECTED = "unexpected error"
 
 
 __all__ = ["ModelFiles", "WeightRef", "open_model", "resolve_model_path"]

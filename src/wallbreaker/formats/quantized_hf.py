@@ -22,15 +22,16 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-from ..config import ModelConfig
+from ..config import ModelConfig, short_repr
 from ..errors import ModelFormatError
 from ..quant.grid import QuantizedTensor
-from ..quant.packing import pack_codes, unpack_codes
+from ..quant.packing import pack_codes, packed_row_bytes, unpack_codes
 from .names import hf_to_canonical_table
 from .weights import WeightRef
 
 QUANT_METHOD = "wallbreaker"
 _INT4_GROUPS = (32, 64, 128, 256)  # group sizes PyTorch's CPU int4 kernel takes
+MIN_BITS, MAX_BITS = 2, 8  # what QuantGrid and the packing support
 
 
 @dataclass(frozen=True)
@@ -72,32 +73,72 @@ def in_features(name: str, cfg: ModelConfig) -> int:
     return cfg.hidden_size
 
 
-def read_quantized_weights(path: Path, cfg: ModelConfig, qcfg: dict[str, Any]) -> dict[str, WeightRef]:
-    """WeightRefs of the quantized Linear weights in folder `path` (the float ones are read as usual)."""
-    try:
-        group, sym, act = int(qcfg["group_size"]), bool(qcfg["sym"]), bool(qcfg.get("desc_act", False))
-        per_tensor = qcfg.get("bits_per_tensor") or {}
-        uniform = qcfg.get("bits")
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelFormatError(f"{path}/config.json: incomplete quantization_config: {e}") from None
+def read_quantized_weights(path: Path, cfg: ModelConfig, qcfg: Any) -> dict[str, WeightRef]:
+    """WeightRefs of the quantized Linear weights in folder `path` (the float ones are read as usual).
+    Every part's shape and type is checked here, from the headers; group indices when loaded."""
+    where = f"{path}/config.json: quantization_config"
+    if not isinstance(qcfg, dict):
+        raise ModelFormatError(f"{where} is not a JSON object")
+    if "group_size" not in qcfg or "sym" not in qcfg:
+        raise ModelFormatError(f"{where}: incomplete, needs group_size and sym")
+    group, sym, act = qcfg["group_size"], qcfg["sym"], qcfg.get("desc_act", False)
+    if not _is_int(group) or group < 1:
+        raise ModelFormatError(f"{where}: group_size must be a positive integer, got {short_repr(group)}")
+    for key, value in (("sym", sym), ("desc_act", act)):
+        if not isinstance(value, bool):
+            raise ModelFormatError(f"{where}: {key} must be true or false, got {short_repr(value)}")
+    per_tensor = qcfg.get("bits_per_tensor") or {}
+    if not isinstance(per_tensor, dict):
+        raise ModelFormatError(f"{where}: bits_per_tensor must be a JSON object, got {short_repr(per_tensor)}")
+    uniform = qcfg.get("bits")
     weights: dict[str, WeightRef] = {}
+    table = hf_to_canonical_table(cfg.architecture, cfg.num_layers)
     for file in sorted(path.glob("*.safetensors")):
         handle = safe_open(str(file), framework="pt")
         keys = set(handle.keys())
-        for hf_name, name in hf_to_canonical_table(cfg.architecture, cfg.num_layers).items():
+        for hf_name, name in table.items():
             module = hf_name.removesuffix(".weight")
             if f"{module}.qweight" not in keys:
                 continue
             bits = per_tensor.get(module, uniform)
             if bits is None:
                 raise ModelFormatError(f"{path}: no bit width for {module} in quantization_config")
-            weights[name] = _weight_ref(handle, keys, module, name, int(bits), group, sym, act,
-                                        (handle.get_slice(f"{module}.qweight").get_shape()[0], in_features(name, cfg)))
+            if not _is_int(bits) or not MIN_BITS <= bits <= MAX_BITS:
+                raise ModelFormatError(f"{where}: bits of {module} must be an integer from {MIN_BITS} to {MAX_BITS}, "
+                                       f"got {short_repr(bits)}")
+            out_rows = handle.get_slice(f"{module}.qweight").get_shape()[0]
+            weights[name] = _weight_ref(handle, keys, module, name, bits, group, sym, act,
+                                        (out_rows, in_features(name, cfg)), file)
     return weights
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_parts(handle, keys: set[str], module: str, bits: int, group: int, sym: bool, act: bool,
+                 shape: tuple[int, int], file: Path) -> None:
+    """Each part has the shape and type `shape` (out, in) implies, or the folder is refused."""
+    out, n = shape
+    groups = -(-n // group)
+    expected = {"qweight": ((out, packed_row_bytes(n, bits)), {"U8"}), "scales": ((out, groups), {"F16", "F32", "BF16"})}
+    if not sym:
+        expected["zeros"] = ((out, groups), {"F16", "F32", "BF16"})
+    if act:
+        expected["g_idx"] = ((n,), {"I32", "I64"})
+    for part, (want, dtypes) in expected.items():
+        key = f"{module}.{part}"
+        if key not in keys:
+            raise ModelFormatError(f"{file}: {key} is missing (the quantization_config needs it)")
+        sl = handle.get_slice(key)
+        got, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        if got != want or dtype not in dtypes:
+            raise ModelFormatError(f"{file}: {key} is {dtype} {got}, expected {'/'.join(sorted(dtypes))} {want}")
+
+
 def _weight_ref(handle, keys: set[str], module: str, name: str, bits: int, group: int, sym: bool, act: bool,
-                shape: tuple[int, int]) -> WeightRef:
+                shape: tuple[int, int], file: Path) -> WeightRef:
+    _check_parts(handle, keys, module, bits, group, sym, act, shape, file)
     parts = [f"{module}.{p}" for p in ("qweight", "scales", "zeros", "g_idx") if f"{module}.{p}" in keys]
     nbytes = 0
     for p in parts:
@@ -106,13 +147,18 @@ def _weight_ref(handle, keys: set[str], module: str, name: str, bits: int, group
         for d in sl.get_shape():
             numel *= d
         nbytes += numel * {"U8": 1, "F16": 2, "I32": 4, "F32": 4}.get(sl.get_dtype(), 4)
-    if act and f"{module}.g_idx" not in keys:
-        raise ModelFormatError(f"{module}: desc_act is set but {module}.g_idx is missing")
+    groups = -(-shape[1] // group)
 
     def load_quant() -> QuantizedTensor:
         codes = unpack_codes(handle.get_tensor(f"{module}.qweight"), bits, shape[1])
         zeros = None if sym else handle.get_tensor(f"{module}.zeros").float()
-        g_idx = handle.get_tensor(f"{module}.g_idx").to(torch.int32) if act else None
+        g_idx = None
+        if act:
+            g_idx = handle.get_tensor(f"{module}.g_idx")
+            if g_idx.numel() and not (0 <= int(g_idx.min()) and int(g_idx.max()) < groups):
+                raise ModelFormatError(f"{file}: {module}.g_idx holds groups {int(g_idx.min())} to "
+                                       f"{int(g_idx.max())}, outside the {groups} groups of its scales")
+            g_idx = g_idx.to(torch.int32)
         return QuantizedTensor(codes, handle.get_tensor(f"{module}.scales").float(), zeros, bits, group, g_idx)
 
     def load() -> torch.Tensor:
