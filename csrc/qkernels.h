@@ -1,0 +1,44 @@
+// Quantized matmul kernels over GGUF blocks as stored: the interface between the torch-facing
+// ops.cpp and the per-ISA kernel files. Plain C++ types only: no torch header, and no inline
+// function, may be shared with the ISA translation units (they are compiled for other CPUs).
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+namespace wb {
+
+// GGML type numbers (gguf.GGMLQuantizationType).
+enum QType : int {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+};
+
+// Activations quantized once per matmul to 8 bits, row after row.
+//  32-blocks (for Q4_0..Q8_0): d[b] = amax/127, q = round(x/d); s[b] = d * sum(q) (for the min/offset terms).
+//  256-blocks (for K-quants): d[b] likewise; bsums[16 b + j] = sum of q over its j-th 16 values.
+struct ActQ8 {
+  const int8_t* q;       // [M, ldq]
+  const float* d;        // [M, ldb]
+  const float* s;        // [M, ldb] (32-blocks) or nullptr
+  const int16_t* bsums;  // [M, 16 ldb] (256-blocks) or nullptr
+  int64_t ldq;           // bytes between rows of q
+  int64_t ldb;           // blocks between rows of d / s (bsums: 16 ldb)
+};
+
+struct Kernels {
+  // x: [M, K] float32 with row stride ldx. K % 32 == 0 (32-blocks) or K % 256 == 0 (256-blocks).
+  void (*quantize32)(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq,
+                     float* d, float* s, int64_t ldb);
+  void (*quantize256)(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq,
+                      float* d, int16_t* bsums, int64_t ldb);
+  // out[m * ldo + (n - n0)] = sum_k W[n, k] x[m, k] for n in [n0, n1), m in [0, M).
+  // w: the weight rows, each row_bytes of blocks in file order. Returns false for an unknown qtype.
+  bool (*matmul)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K,
+                 const ActQ8* act, int64_t M, float* out, int64_t ldo);
+};
+
+}  // namespace wb
+
+extern "C" const wb::Kernels* wb_kernels_generic();
+extern "C" const wb::Kernels* wb_kernels_avx2();    // nullptr where not built (non-x86)
+extern "C" const wb::Kernels* wb_kernels_avx512();  // likewise

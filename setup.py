@@ -1,0 +1,24 @@
+"""Builds wallbreaker's C++ extension, `wallbreaker._C`: quantized matmul kernels over GGUF blocks.
+
+One torch-facing file (ops.cpp, default flags) and one file per kernel level; the SIMD files set
+their instruction set with `#pragma GCC target` and include no torch header, so one build serves
+every x86-64 CPU and the level is chosen at run time (csrc/ops.cpp, docs/kernels.md).
+"""
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+
+setup(
+    ext_modules=[
+        CppExtension(
+            "wallbreaker._C",
+            ["csrc/ops.cpp", "csrc/kernels_generic.cpp", "csrc/kernels_avx2.cpp", "csrc/kernels_avx512.cpp"],
+            extra_compile_args=["-O3", "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized"],
+            depends=["csrc/qkernels.h", "csrc/qblocks.inc", "csrc/tile_driver.inc", "csrc/kscales_avx2.inc"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+)

@@ -1,0 +1,104 @@
+"""Quantized matmul kernels of our own (the C++ extension `wallbreaker._C`, csrc/): y = x Wᵀ with W
+in GGUF block formats as stored, activations quantized to 8 bits once per call, integer dot
+products, float32 out. docs/kernels.md has the design and the measured figures.
+
+- `qmatmul(x, weights, qtypes)`: x [M, K] float32 or bfloat16; `weights` a list of segments, each a
+  uint8 tensor [N_i, row_bytes] in the kernels' row layout (`pack_rows`) with its GGML type in
+  `qtypes`; out [M, sum N_i] float32, the segments' columns side by side (fused q/k/v, gate/up).
+- `qmatmul_reference`: the same product by dequantizing (formats.dequant) and a float matmul; the
+  tests check the kernels against gguf's own dequantization.
+- `isa()`, `set_isa(level)`: the kernel level in use, chosen at first use from the CPU (`avx512`
+  needs AVX-512 F/BW/VL/DQ + VNNI, `avx2` needs AVX2 + FMA + F16C, else `generic`), capped by
+  `ATEN_CPU_CAPABILITY` (avx2 -> avx2, default -> generic) and set by `WALLBREAKER_CPU_ISA`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import gguf
+import torch
+
+from .. import _C  # noqa: F401  (loads the extension and registers torch.ops.wallbreaker.qmatmul)
+from ..formats.dequant import block_info, dequantize
+
+T = gguf.GGMLQuantizationType
+
+BLOCK32_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
+K_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+SUPPORTED_TYPES = BLOCK32_TYPES | K_TYPES
+LEVELS = ("generic", "avx2", "avx512")
+
+_SCALE_BYTES = {T.Q4_0: 2, T.Q4_1: 4, T.Q5_0: 2, T.Q5_1: 4, T.Q8_0: 2}  # float16 fields at a block's start
+
+
+def isa() -> str:
+    """The kernel level in use: 'avx512', 'avx2' or 'generic'."""
+    return _C.isa()
+
+
+def cpu_isa() -> str:
+    """The best level this CPU supports."""
+    return _C.cpu_isa()
+
+
+def set_isa(level: str | None) -> None:
+    """Force a kernel level (None: the best the CPU has). A level the CPU lacks is an error."""
+    try:
+        _C.set_isa(level or "")
+    except RuntimeError as e:
+        raise ValueError(str(e).splitlines()[0]) from None
+
+
+def _row_permutation(qtype: T, row_bytes: int) -> torch.Tensor | None:
+    """Byte order of a row in the kernels' layout, as indices into the file's order (None: the same).
+    32-block formats: the float16 d of every block, then (Q4_1, Q5_1) every m, then the rest of each
+    block in block order; the K-quants keep the file's order."""
+    qtype = T(qtype)
+    if qtype not in BLOCK32_TYPES:
+        return None
+    _, size = block_info(qtype)
+    nb = row_bytes // size
+    at = torch.arange(row_bytes).view(nb, size)
+    parts = [at[:, :2].reshape(-1)]
+    if _SCALE_BYTES[qtype] == 4:
+        parts.append(at[:, 2:4].reshape(-1))
+    parts.append(at[:, _SCALE_BYTES[qtype]:].reshape(-1))
+    return torch.cat(parts)
+
+
+def pack_rows(raw: torch.Tensor, qtype: T) -> torch.Tensor:
+    """[N, row_bytes] uint8 blocks in file order -> the kernels' row layout (the same bytes)."""
+    perm = _row_permutation(qtype, raw.shape[1])
+    return raw.contiguous() if perm is None else raw[:, perm].contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, qtype: T) -> torch.Tensor:
+    """Inverse of `pack_rows` (any number of rows, e.g. the looked-up rows of an embedding)."""
+    perm = _row_permutation(qtype, packed.shape[-1])
+    if perm is None:
+        return packed
+    out = torch.empty_like(packed)
+    out[..., perm] = packed
+    return out
+
+
+def qmatmul(x: torch.Tensor, weights: Sequence[torch.Tensor], qtypes: Sequence[int]) -> torch.Tensor:
+    """x [M, K] @ concat(W_i)ᵀ -> [M, sum N_i] float32; see the module docstring."""
+    return _C.qmatmul(x, list(weights), [int(q) for q in qtypes])
+
+
+def dequantize_packed(w: torch.Tensor, qtype: T, in_features: int) -> torch.Tensor:
+    """Float32 [N, in_features] of packed rows."""
+    return dequantize(unpack_rows(w, qtype), T(qtype), (w.shape[0], in_features))
+
+
+def qmatmul_reference(x: torch.Tensor, weights: Sequence[torch.Tensor], qtypes: Sequence[int]) -> torch.Tensor:
+    """The product by dequantization and a float32 matmul (no activation rounding)."""
+    k = x.shape[-1]
+    w = torch.cat([dequantize_packed(wi, T(q), k) for wi, q in zip(weights, qtypes)])
+    return x.float() @ w.T
+
+
+@torch.library.register_fake("wallbreaker::qmatmul")
+def _qmatmul_fake(x, weights, qtypes):
+    return x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)), dtype=torch.float32)
