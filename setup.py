@@ -1,4 +1,5 @@
-"""Builds wallbreaker's C++ extension, `wallbreaker._C`: quantized matmul kernels over GGUF blocks.
+"""Builds wallbreaker's C++ extension, `wallbreaker._C`: quantized matmul kernels over GGUF blocks,
+and paged attention.
 
 One torch-facing file (ops.cpp, default flags) and one file per kernel level; the SIMD files set
 their instruction set with `#pragma GCC target` and include no torch header, so one build serves
@@ -15,9 +16,11 @@ setup(
     ext_modules=[
         CppExtension(
             "wallbreaker._C",
-            ["csrc/ops.cpp", "csrc/kernels_generic.cpp", "csrc/kernels_avx2.cpp", "csrc/kernels_avx512.cpp"],
+            ["csrc/ops.cpp", "csrc/kernels_generic.cpp", "csrc/kernels_avx2.cpp", "csrc/kernels_avx512.cpp",
+             "csrc/attention_ops.cpp", "csrc/attention_generic.cpp", "csrc/attention_avx2.cpp"],
             extra_compile_args=["-O3", "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized"],
-            depends=["csrc/qkernels.h", "csrc/qblocks.inc", "csrc/tile_driver.inc", "csrc/kscales_avx2.inc"],
+            depends=["csrc/qkernels.h", "csrc/qblocks.inc", "csrc/tile_driver.inc", "csrc/kscales_avx2.inc",
+                     "csrc/attention.h", "csrc/attention_impl.inc", "csrc/fp8.h"],
         )
     ],
     cmdclass={"build_ext": BuildExtension},

@@ -104,6 +104,15 @@ constexpr int64_t kSingleThreadBytes = 96 * 1024;  // below this (weight bytes x
 
 }  // namespace
 
+int wb_kernel_level() { return level(); }
+
+// attention_ops.cpp
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
+                              const torch::Tensor& block_tables, const torch::Tensor& query_start,
+                              const torch::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
+                              double softcap);
+
 std::string get_isa() { return kNames[level()]; }
 
 std::string cpu_isa() { return kNames[cpu_level()]; }
@@ -227,4 +236,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &get_isa, "the kernel level in use");
   m.def("cpu_isa", &cpu_isa, "the best kernel level this CPU supports");
   m.def("set_isa", &set_isa, "force a kernel level ('' for the best this CPU has)", py::arg("level"));
+  m.def("paged_attention", &paged_attention, "attention of a few queries a sequence over paged K/V",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("block_tables"), py::arg("query_start"), py::arg("context_lens"), py::arg("block_size"),
+        py::arg("scale"), py::arg("window"), py::arg("softcap"));
 }

@@ -1,0 +1,193 @@
+// Paged attention, the avx2 level (AVX2 + FMA; also used at the avx512 level: decode attention
+// reads the cache once and is bound by memory, not by vector width). Needs head_dim % 8 == 0.
+// No torch header here, and everything has internal linkage (see qkernels.h).
+#include "attention.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include <vector>
+
+#include "fp8.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace wb {
+namespace {
+
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; i++) v[i] = fp8_e4m3_to_float((uint8_t)i);
+  }
+};
+const Fp8Table kFp8;
+
+template <int KVT>
+inline __m256 load8(const void* row, int64_t i) {
+  if (KVT == KV_F32) return _mm256_loadu_ps(static_cast<const float*>(row) + i);
+  if (KVT == KV_BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + i));
+  if (KVT == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  return _mm256_i32gather_ps(kFp8.v, _mm256_cvtepu8_epi32(b), 4);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// NG query heads against one row: NG accumulators in registers, the row converted once per 8 values.
+template <int KVT, int NG>
+void dot_block(const float* q, const void* row, int64_t D, float* s, int64_t ld) {
+  __m256 acc[NG];
+  for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 x = load8<KVT>(row, i);
+    for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), x, acc[g]);
+  }
+  for (int g = 0; g < NG; g++) s[g * ld] = hsum8(acc[g]);
+}
+
+template <int KVT>
+void dot_rows_t(const float* q, int64_t G, const void* row, int64_t D, float* s, int64_t ld) {
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const float* qg = q + g0 * D;
+    float* sg = s + g0 * ld;
+    switch (G - g0 < 8 ? G - g0 : 8) {
+      case 1: dot_block<KVT, 1>(qg, row, D, sg, ld); break;
+      case 2: dot_block<KVT, 2>(qg, row, D, sg, ld); break;
+      case 3: dot_block<KVT, 3>(qg, row, D, sg, ld); break;
+      case 4: dot_block<KVT, 4>(qg, row, D, sg, ld); break;
+      case 5: dot_block<KVT, 5>(qg, row, D, sg, ld); break;
+      case 6: dot_block<KVT, 6>(qg, row, D, sg, ld); break;
+      case 7: dot_block<KVT, 7>(qg, row, D, sg, ld); break;
+      default: dot_block<KVT, 8>(qg, row, D, sg, ld); break;
+    }
+  }
+}
+
+void dot_rows(const float* q, int64_t G, const void* row, int kv_type, int64_t D, float* s, int64_t ld) {
+  switch (kv_type) {
+    case KV_F32: return dot_rows_t<KV_F32>(q, G, row, D, s, ld);
+    case KV_BF16: return dot_rows_t<KV_BF16>(q, G, row, D, s, ld);
+    case KV_INT8: return dot_rows_t<KV_INT8>(q, G, row, D, s, ld);
+    default: return dot_rows_t<KV_FP8>(q, G, row, D, s, ld);
+  }
+}
+
+// NG heads, CW vectors of the row at a time: NG * CW accumulators stay in registers over all
+// positions, so a row's chunk is converted once and nothing is stored until the end.
+template <int KVT, int NG, int CW>
+void weighted_block(const float* w, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes,
+                    float* out, int64_t D) {
+  for (int64_t i = 0; i < D; i += 8 * CW) {
+    __m256 acc[NG][CW];
+    for (int g = 0; g < NG; g++)
+      for (int c = 0; c < CW; c++) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < cnt; j++) {
+      const void* row = vbase + slots[j] * row_bytes;
+      __m256 x[CW];
+      for (int c = 0; c < CW; c++) x[c] = load8<KVT>(row, i + 8 * c);
+      for (int g = 0; g < NG; g++) {
+        const __m256 wg = _mm256_broadcast_ss(w + g * cnt + j);
+        for (int c = 0; c < CW; c++) acc[g][c] = _mm256_fmadd_ps(wg, x[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < NG; g++)
+      for (int c = 0; c < CW; c++) _mm256_storeu_ps(out + g * D + i + 8 * c, acc[g][c]);
+  }
+}
+
+template <int KVT, int NG>
+void weighted_ng(const float* w, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes, float* out,
+                 int64_t D) {
+  constexpr int CW = NG <= 3 ? 4 : NG <= 7 ? 2 : 1;  // at most 12-14 accumulators
+  if (D % (8 * CW) == 0) return weighted_block<KVT, NG, CW>(w, cnt, vbase, slots, row_bytes, out, D);
+  weighted_block<KVT, NG, 1>(w, cnt, vbase, slots, row_bytes, out, D);
+}
+
+template <int KVT>
+void weighted_t(const float* w, int64_t G, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes,
+                float* out, int64_t D) {
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const float* wg = w + g0 * cnt;
+    float* og = out + g0 * D;
+    switch (G - g0 < 8 ? G - g0 : 8) {
+      case 1: weighted_ng<KVT, 1>(wg, cnt, vbase, slots, row_bytes, og, D); break;
+      case 2: weighted_ng<KVT, 2>(wg, cnt, vbase, slots, row_bytes, og, D); break;
+      case 3: weighted_ng<KVT, 3>(wg, cnt, vbase, slots, row_bytes, og, D); break;
+      case 4: weighted_ng<KVT, 4>(wg, cnt, vbase, slots, row_bytes, og, D); break;
+      case 5: weighted_ng<KVT, 5>(wg, cnt, vbase, slots, row_bytes, og, D); break;
+      case 6: weighted_ng<KVT, 6>(wg, cnt, vbase, slots, row_bytes, og, D); break;
+      case 7: weighted_ng<KVT, 7>(wg, cnt, vbase, slots, row_bytes, og, D); break;
+      default: weighted_ng<KVT, 8>(wg, cnt, vbase, slots, row_bytes, og, D); break;
+    }
+  }
+}
+
+void weighted_sum(const float* w, int64_t G, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes,
+                  int kv_type, float* out, int64_t D) {
+  switch (kv_type) {
+    case KV_F32: return weighted_t<KV_F32>(w, G, cnt, vbase, slots, row_bytes, out, D);
+    case KV_BF16: return weighted_t<KV_BF16>(w, G, cnt, vbase, slots, row_bytes, out, D);
+    case KV_INT8: return weighted_t<KV_INT8>(w, G, cnt, vbase, slots, row_bytes, out, D);
+    default: return weighted_t<KV_FP8>(w, G, cnt, vbase, slots, row_bytes, out, D);
+  }
+}
+
+// exp(x) for x <= 0, as Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-5 polynomial for
+// e^r, then 2^n by exponent bits. Relative error about 2e-7; exp(-inf) and far below underflow give 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)));
+}
+
+float exp_shifted(float* x, int64_t n, float max) {
+  const __m256 vm = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = hsum8(acc);
+  for (; i < n; i++) sum += (x[i] = expf(x[i] - max));
+  return sum;
+}
+
+#include "attention_impl.inc"
+
+}  // namespace
+}  // namespace wb
+
+#pragma GCC pop_options
+
+extern "C" wb::AttnFn wb_attention_avx2() { return wb::attention_items; }
+
+#else
+extern "C" wb::AttnFn wb_attention_avx2() { return nullptr; }
+#endif

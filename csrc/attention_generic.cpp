@@ -1,0 +1,58 @@
+// Paged attention, the portable level: plain C++ (and the reference the SIMD level is tested against).
+#include <math.h>
+#include <string.h>
+
+#include <vector>
+
+#include "attention.h"
+#include "fp8.h"
+
+namespace wb {
+namespace {
+
+inline float elem(const void* row, int kv_type, int64_t i) {
+  switch (kv_type) {
+    case KV_F32: return static_cast<const float*>(row)[i];
+    case KV_BF16: {
+      const uint32_t bits = (uint32_t) static_cast<const uint16_t*>(row)[i] << 16;
+      float f;
+      memcpy(&f, &bits, 4);
+      return f;
+    }
+    case KV_INT8: return (float)static_cast<const int8_t*>(row)[i];
+    default: return fp8_e4m3_to_float(static_cast<const uint8_t*>(row)[i]);
+  }
+}
+
+void dot_rows(const float* q, int64_t G, const void* row, int kv_type, int64_t D, float* s, int64_t ld) {
+  for (int64_t g = 0; g < G; g++) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < D; i++) acc += q[g * D + i] * elem(row, kv_type, i);
+    s[g * ld] = acc;
+  }
+}
+
+void weighted_sum(const float* w, int64_t G, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes,
+                  int kv_type, float* out, int64_t D) {
+  memset(out, 0, sizeof(float) * G * D);
+  for (int64_t j = 0; j < cnt; j++) {
+    const void* row = vbase + slots[j] * row_bytes;
+    for (int64_t i = 0; i < D; i++) {
+      const float x = elem(row, kv_type, i);
+      for (int64_t g = 0; g < G; g++) out[g * D + i] += w[g * cnt + j] * x;
+    }
+  }
+}
+
+float exp_shifted(float* x, int64_t n, float max) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; i++) sum += (x[i] = expf(x[i] - max));
+  return sum;
+}
+
+#include "attention_impl.inc"
+
+}  // namespace
+}  // namespace wb
+
+extern "C" wb::AttnFn wb_attention_generic() { return wb::attention_items; }
