@@ -13,7 +13,7 @@ from ..quant.int4 import GGUF_INT4_TYPES, int4_from_gguf
 from .chat_template import ChatTemplate
 from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor, open_gguf
-from .gguf_slice import part_loaders
+from .gguf_slice import block_loaders, part_loaders
 from .names import llama_unpermute
 from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef, check_weights
@@ -159,5 +159,7 @@ def _weight_ref(t: GGUFTensor, cfg: ModelConfig) -> WeightRef:
 
     is_int4 = t.ggml_type in GGUF_INT4_TYPES and len(t.shape) == 2
     load_part, int4_part = part_loaders(t, heads)
+    blocks, blocks_part = block_loaders(t, heads)
     return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), load, int4 if is_int4 else None, t.raw,
-                     load_part=load_part, int4_part=int4_part if is_int4 else None)
+                     load_part=load_part, int4_part=int4_part if is_int4 else None,
+                     blocks=blocks, blocks_part=blocks_part)

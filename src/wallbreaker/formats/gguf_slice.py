@@ -4,9 +4,14 @@ Rows are contiguous in the file, so a row range is one span of the map. A column
 every row, just the stored blocks that cover it: when its ends fall on block boundaries the blocks
 are exactly the slice; otherwise the covering blocks are decoded and trimmed (at most two blocks
 a row of waste). llama q/k rows are un-permuted per head, so a row range must hold whole heads.
+
+The stored blocks themselves (for the quantized kernels) come from `block_loaders`: the rows as a
+view of the map where no row permutation applies, column ranges only where both ends fall on
+block boundaries.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -63,3 +68,46 @@ def part_loaders(t: GGUFTensor, heads: int | None) -> tuple[PartLoader | None, C
         return groups.narrow(1, lo - start, hi - start)
 
     return load_part, int4_part
+
+
+def _as_tensor(a: np.ndarray) -> torch.Tensor:
+    """A torch view of (a part of) the read-only map; the kernels only read it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        return torch.from_numpy(a)
+
+
+def block_loaders(t: GGUFTensor, heads: int | None) -> tuple[Callable | None, Callable | None]:
+    """(blocks, blocks_part) for `WeightRef`: [rows, row bytes] uint8 blocks in canonical row order
+    (llama q/k rows un-permuted per head, by moving whole rows), and those of (dim, lo, hi)."""
+    block, size = block_info(t.ggml_type)
+    if len(t.shape) != 2 or block == 1:
+        return None, None
+    rows_n = t.shape[0]
+    grid = t.raw.reshape(rows_n, -1)
+
+    def order(lo: int, hi: int) -> torch.Tensor | None:
+        if heads is None:
+            return None
+        head_dim = rows_n // heads
+        assert lo % head_dim == 0 and hi % head_dim == 0, f"{t.name}: rows {lo}..{hi} cut a head"
+        return llama_unpermute(torch.arange(hi - lo)[:, None], (hi - lo) // head_dim).flatten()
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        perm = order(lo, hi)
+        part = _as_tensor(grid[lo:hi])
+        return part if perm is None else part[perm].contiguous()
+
+    def blocks() -> torch.Tensor:
+        return rows(0, rows_n)
+
+    def blocks_part(dim: int, lo: int, hi: int) -> torch.Tensor | None:
+        if dim == 0:
+            return rows(lo, hi)
+        if lo % block or hi % block:
+            return None
+        part = torch.from_numpy(np.ascontiguousarray(grid[:, lo // block * size:hi // block * size]))
+        perm = order(0, rows_n)
+        return part if perm is None else part[perm].contiguous()
+
+    return blocks, blocks_part

@@ -27,6 +27,11 @@ class WeightRef:
     quant: Any = field(default=None, repr=False)  # formats.quantized_hf.QuantInfo of a wallbreaker-quantized weight
     load_part: Callable[[int, int, int], torch.Tensor] | None = field(default=None, repr=False)  # (dim, lo, hi)
     int4_part: Callable[[int, int, int], Any] | None = field(default=None, repr=False)  # (dim, lo, hi)
+    # The stored GGUF blocks, for the kernels (wallbreaker.kernels): [rows, row bytes] uint8 in the
+    # file's block layout and canonical row order; `blocks_part(dim, lo, hi)` those of a row or
+    # column range (None where a column bound cuts a block). None: no blocks are stored.
+    blocks: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
+    blocks_part: Callable[[int, int, int], torch.Tensor | None] | None = field(default=None, repr=False)
 
     def load_slice(self, dim: int, lo: int, hi: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) lo..hi of `load()`, reading only the stored bytes they need

@@ -20,12 +20,23 @@ class Embedding(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    def __init__(self, raw: np.ndarray, qtype: str, shape: tuple[int, int], dtype: torch.dtype):
+    """`rows`: [vocab, row bytes] uint8 blocks, in the file's layout or (`packed`, a tied head's
+    tensor, shared) in the kernels' row layout."""
+
+    def __init__(self, rows: torch.Tensor | np.ndarray, qtype: str | int, shape: tuple[int, int], dtype: torch.dtype,
+                 packed: bool = False):
         super().__init__()
-        self.qtype = gguf.GGMLQuantizationType[qtype]
+        self.qtype = gguf.GGMLQuantizationType[qtype] if isinstance(qtype, str) else gguf.GGMLQuantizationType(qtype)
         self.hidden = shape[1]
         self.dtype = dtype
-        self.register_buffer("rows", torch.from_numpy(np.array(raw).reshape(shape[0], -1)))  # [vocab, row bytes]
+        self.packed = packed
+        if isinstance(rows, np.ndarray):
+            rows = torch.from_numpy(np.array(rows))
+        self.register_buffer("rows", rows.reshape(shape[0], -1))  # [vocab, row bytes]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize(self.rows[ids], self.qtype, (ids.numel(), self.hidden)).to(self.dtype)
+        picked = self.rows[ids]
+        if self.packed:
+            from ..kernels import unpack_rows
+            picked = unpack_rows(picked, self.qtype)
+        return dequantize(picked, self.qtype, (ids.numel(), self.hidden)).to(self.dtype)

@@ -1,12 +1,13 @@
-"""Linear layers: y = x Wᵀ + b. The float one is the exact reference; the packed ones keep the
-weights in their small stored form and let the matmul read that form (PyTorch's CPU weight-only
-int4 and int8 kernels, bfloat16 activations inside the kernel)."""
+"""Linear layers: y = x Wᵀ + b. The float one is the exact reference; `QuantLinear` (the `auto`
+path) keeps GGUF blocks as stored and runs our own kernels over them (wallbreaker.kernels). The
+PyTorch int4/int8 ones remain as the measured baseline of benchmarks/kernels.py."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels as qk
 from ..quant.int4 import Int4Groups
 
 
@@ -18,6 +19,47 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class QuantLinear(nn.Module):
+    """GGUF blocks in the kernels' row layout, one or more segments (fused projections of the same
+    input, each with its own type and rows) computed in one call; float32 out."""
+
+    def __init__(self, segments: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.qtypes = [int(q) for _, q in segments]
+        self.rows = [int(w.shape[0]) for w, _ in segments]
+        self.out_features = sum(self.rows)
+        for i, (w, _) in enumerate(segments):
+            self.register_buffer(f"blocks{i}", w)
+        self.blocks = [w for w, _ in segments]  # the call's list (the buffers above are the same tensors)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_blocks(cls, segments: list[tuple[torch.Tensor, int]], in_features: int,
+                    bias: torch.Tensor | None = None) -> "QuantLinear":
+        """Segments of blocks in the file's layout (`WeightRef.blocks`), packed once here."""
+        return cls([(qk.pack_rows(w, q), q) for w, q in segments], in_features, bias)
+
+    def as_embedding(self, dtype: torch.dtype) -> nn.Module:
+        """The same blocks read by rows, for a tied embedding: one copy serves both ends."""
+        from .embedding import QuantizedEmbedding
+        assert len(self.blocks) == 1, "a tied embedding is one tensor"
+        return QuantizedEmbedding(self.blocks[0], self.qtypes[0], (self.out_features, self.in_features), dtype,
+                                  packed=True)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([qk.dequantize_packed(w, q, self.in_features) for w, q in zip(self.blocks, self.qtypes)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():  # the dispatcher op, which torch.compile traces
+            y = torch.ops.wallbreaker.qmatmul(flat, self.blocks, self.qtypes)
+        else:  # the pybind11 function: less call overhead (docs/kernels.md)
+            y = qk._C.qmatmul(flat, self.blocks, self.qtypes)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
 
 class Int4Linear(nn.Module):

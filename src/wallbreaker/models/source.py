@@ -1,5 +1,7 @@
 """How a model pulls its weights: as float tensors in the compute dtype (the exact path), or with
-linear layers kept packed (the `auto` path): 4-bit stored formats as int4 groups, others as int8.
+linear layers kept as GGUF blocks and run by our kernels (the `auto` path, wallbreaker.kernels):
+weights stored in a covered block format keep their stored blocks; others get blocks at load
+(kernels/blocks.py: Q4_1 for <= 4-bit int-code grids, else Q8_0).
 
 With tensor parallelism (`shard` set) each layer reads only this rank's rows or columns, and the
 layers that must talk across ranks come wrapped (parallel/layers.py); without, the hints are ignored.
@@ -9,14 +11,29 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, Literal
 
+import gguf
 import torch
 from torch import nn
 
 from ..formats.weights import WeightRef
+from ..kernels import SUPPORTED_TYPES
+from ..kernels.blocks import q4_1_blocks, q8_0_blocks
 from ..layers.embedding import Embedding, QuantizedEmbedding
-from ..layers.linear import Int4Linear, Int8Linear, Linear
+from ..layers.linear import Linear, QuantLinear
 from ..parallel.shard import HeadShard, Shard, vocab_chunk
-from ..quant.int4 import Int4Groups
+
+T = gguf.GGMLQuantizationType
+
+# A segment's source: (float loader, stored-blocks loader or None, int-code grid loader or None).
+Segment = tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor | None] | None, Callable | None]
+
+
+def _stored_type(ref: WeightRef) -> T | None:
+    try:
+        qtype = T[ref.stored_type]
+    except KeyError:
+        return None
+    return qtype if qtype in SUPPORTED_TYPES and ref.blocks is not None else None
 
 
 class WeightSource:
@@ -48,29 +65,53 @@ class WeightSource:
         refs = [self.weights[n] for n in names]
         if self.shard is None or parallel is None:
             bias = torch.cat([self.weights[n].load() for n in bias_names]) if bias_names else None
-            return self._fused([r.load for r in refs], [r.int4 for r in refs], bias)
+            return self._fused([self._segment(r) for r in refs], refs[0].shape[1], bias)
         dim = 0 if parallel == "column" else 1
         slices = slices or [self.shard.split(r.shape[dim]) for r in refs]
-        loads = [partial(r.load_slice, dim, s.start, s.stop) for r, s in zip(refs, slices)]
-        int4s = [partial(r.int4_slice, dim, s.start, s.stop) if r.int4 is not None else None
-                 for r, s in zip(refs, slices)]
+        segments = [self._segment(r, dim, s.start, s.stop) for r, s in zip(refs, slices)]
         if parallel == "column":
             bias = torch.cat([self.weights[n].load_slice(0, s.start, s.stop) for n, s in zip(bias_names, slices)]) \
                 if bias_names else None
-            return self._fused(loads, int4s, bias)
+            return self._fused(segments, refs[0].shape[1], bias)
         from ..parallel.layers import RowParallelLinear
         bias = torch.cat([self.weights[n].load() for n in bias_names]).to(self.dtype) if bias_names else None
-        return RowParallelLinear(self._fused(loads, int4s, None), bias, self.shard)
+        return RowParallelLinear(self._fused(segments, len(slices[0]), None), bias, self.shard)
 
-    def _fused(self, loads: list[Callable[[], torch.Tensor]], int4s: list[Callable | None],
+    def _segment(self, ref: WeightRef, dim: int | None = None, lo: int = 0, hi: int = 0) -> tuple[Segment, T | None]:
+        whole = dim is None or (lo, hi) == (0, ref.shape[dim])
+        load = ref.load if whole else partial(ref.load_slice, dim, lo, hi)
+        qtype = _stored_type(ref)
+        blocks = None
+        if qtype is not None:
+            blocks = ref.blocks if whole or ref.blocks_part is None else partial(ref.blocks_part, dim, lo, hi)
+        grid = None
+        if ref.quant is not None and whole:
+            grid = ref.quant.load
+        elif ref.quant is not None and dim == 0:
+            grid = lambda: ref.quant.load().rows(lo, hi)  # noqa: E731
+        return (load, blocks, grid), qtype
+
+    def _fused(self, segments: list[tuple[Segment, T | None]], in_features: int,
                bias: torch.Tensor | None) -> nn.Module:
         bias = None if bias is None else bias.to(self.dtype)
         if not self.packed:
-            return Linear(torch.cat([load().to(self.dtype) for load in loads]), bias)
-        groups = [f() for f in int4s] if all(f is not None for f in int4s) else []
-        if groups and all(g is not None for g in groups):
-            return Int4Linear(Int4Groups.cat(groups), bias)
-        return Int8Linear(torch.cat([load() for load in loads]), bias)
+            return Linear(torch.cat([load().to(self.dtype) for (load, _, _), _ in segments]), bias)
+        if in_features % 32:
+            return Linear(torch.cat([load().to(torch.float32) for (load, _, _), _ in segments]), bias)
+        return QuantLinear.from_blocks([self._blocks(seg, qtype) for seg, qtype in segments], in_features, bias)
+
+    @staticmethod
+    def _blocks(segment: Segment, qtype: T | None) -> tuple[torch.Tensor, T]:
+        """The segment's stored blocks; else Q4_1 of a <= 4-bit grid; else Q8_0 of its float values."""
+        load, blocks, grid = segment
+        stored = blocks() if blocks is not None else None
+        if stored is not None:
+            return stored, qtype
+        if grid is not None:
+            q4 = q4_1_blocks(grid())
+            if q4 is not None:
+                return q4, T.Q4_1
+        return q8_0_blocks(load()), T.Q8_0
 
     def embedding_and_head(self, tie_word_embeddings: bool) -> tuple[nn.Module, nn.Module]:
         """The token embedding and the output head; a tied pair shares one copy of the table."""
@@ -83,16 +124,24 @@ class WeightSource:
             head = Linear(embedding.weight) if tie_word_embeddings else self.linear(["output.weight"])
         elif tie_word_embeddings:
             head = self.linear([name])
-            # an int8 head is also read by rows; an int4 one is not, so rows come from the stored blocks
-            embedding = head.as_embedding(self.dtype) if isinstance(head, Int8Linear) \
-                else self._embedding(ref, range(ref.shape[0]))
+            embedding = self._tied_embedding(head, ref, range(ref.shape[0]))
         else:
             embedding = self._embedding(ref, range(ref.shape[0]))
             head = self.linear(["output.weight"])
         return embedding, head
 
+    def _tied_embedding(self, head: nn.Module, ref: WeightRef, rows: range) -> nn.Module:
+        """A quantized head's blocks also serve the lookups (one copy); a float head's table likewise."""
+        if isinstance(head, QuantLinear):
+            return head.as_embedding(self.dtype)
+        return Embedding(head.weight if head.weight.dtype == self.dtype else ref.load_slice(0, rows.start, rows.stop)
+                         .to(self.dtype))
+
     def _embedding(self, ref: WeightRef, rows: range) -> nn.Module:
         """Untied packed path: GGUF blocks stay stored, only looked-up rows are dequantized."""
+        if self.packed and _stored_type(ref) is not None:
+            part = ref.blocks_part(0, rows.start, rows.stop) if ref.blocks_part is not None else ref.blocks()
+            return QuantizedEmbedding(part, ref.stored_type, (len(rows), ref.shape[1]), self.dtype)
         if self.packed and ref.raw is not None and ref.stored_type not in ("F32", "F16", "BF16"):
             raw = ref.raw.reshape(ref.shape[0], -1)[rows.start:rows.stop]
             return QuantizedEmbedding(raw, ref.stored_type, (len(rows), ref.shape[1]), self.dtype)
@@ -107,7 +156,7 @@ class WeightSource:
         if not tie_word_embeddings:
             embedding = self._embedding(ref, vocab)
         elif self.packed:
-            embedding = head.as_embedding(self.dtype)
+            embedding = self._tied_embedding(head, ref, vocab)
         else:
             embedding = Embedding(head.weight)
         chunk = vocab_chunk(ref.shape[0], self.shard.world_size)

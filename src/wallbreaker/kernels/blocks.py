@@ -1,0 +1,45 @@
+"""GGUF blocks made at load for weights that have none stored (float checkpoints, wallbreaker's own
+int-code folders, tensor-parallel column slices that cut a block), so that every linear layer of
+the `auto` path runs through the kernels.
+
+- `q8_0_blocks`: any float weight -> Q8_0 (gguf's quantize_q8_0: d = amax/127 per 32, codes
+  round-half-even of w/d, d stored as float16).
+- `q4_1_blocks`: a grid of <= 4-bit codes with a scale and zero point per group of a multiple of
+  32 columns, (q - z)·s -> Q4_1 with d = s, m = -z·s: the same codes and scale, only m rounded to
+  float16 (relative error 2^-11 of m).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..quant.grid import QuantizedTensor
+
+
+def q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] float (K % 32 == 0) -> [N, K/32 * 34] uint8 Q8_0 blocks in file order."""
+    n, k = w.shape
+    b = w.float().reshape(n, k // 32, 32)
+    d = b.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(b * inv).clamp(-127, 127).to(torch.int8)  # torch.round: half to even, as numpy
+    out = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    out[..., :2] = d.to(torch.float16).view(torch.uint8).view(n, k // 32, 2)
+    out[..., 2:] = q.view(torch.uint8)
+    return out.view(n, -1)
+
+
+def q4_1_blocks(q: QuantizedTensor) -> torch.Tensor | None:
+    """Q4_1 blocks of a grid of <= 4-bit codes, or None where the grid does not map (more bits,
+    activation order, groups that are not a multiple of 32)."""
+    n, k = q.shape
+    if q.bits > 4 or q.g_idx is not None or q.group_size % 32 or k % q.group_size:
+        return None
+    reps = q.group_size // 32
+    s = q.scales.float().repeat_interleave(reps, dim=1)  # [n, k / 32]
+    z = q.zero_points().float().repeat_interleave(reps, dim=1)
+    codes = q.codes.to(torch.uint8).view(n, k // 32, 32)
+    out = torch.empty(n, k // 32, 20, dtype=torch.uint8)
+    out[..., 0:2] = s.to(torch.float16).view(torch.uint8).view(n, k // 32, 2)
+    out[..., 2:4] = (-z * s).to(torch.float16).view(torch.uint8).view(n, k // 32, 2)
+    out[..., 4:] = codes[..., :16] | (codes[..., 16:] << 4)
+    return out.view(n, -1)

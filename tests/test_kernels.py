@@ -1,0 +1,218 @@
+"""Our quantized matmul kernels (wallbreaker.kernels, csrc/) against gguf's own dequantization and a
+float64 matmul, for every format, at every kernel level this CPU has, for decode-sized and
+prefill-sized batches; the level switch; and the `auto` model against the float32 path.
+
+The tolerance is that of the one rounding the kernels add: activations are rounded to 8 bits per
+block (d_x = amax/127 over each block of 32, or of 256 for the K-quants), so each x_k moves by at
+most d_x/2 and each output by at most sum over blocks of (d_x/2)·sum|w| of the block; everything
+else is integer arithmetic or float32 steps, whose rounding is covered by a slack of 2^-17 of
+sum|w||x| (float32 epsilon times the ~64 float operations per output at most).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+from test_dequant import F16_FIELDS
+
+from wallbreaker import LLM, kernels
+from wallbreaker.formats.dequant import block_info
+from wallbreaker.kernels.blocks import q4_1_blocks, q8_0_blocks
+from wallbreaker.layers.linear import QuantLinear, module_bytes
+from wallbreaker.quant.grid import QuantizedTensor
+
+T = gguf.GGMLQuantizationType
+FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+LEVELS = kernels.LEVELS[: kernels.LEVELS.index(kernels.cpu_isa()) + 1]  # every level this CPU runs
+ROWS = [1, 3, 16, 160]  # decode, a few sequences, a tile's worth, a prefill chunk
+
+
+@pytest.fixture
+def level(request):
+    before = kernels.isa()
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa(before)
+
+
+def random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
+    """[n, row bytes] valid blocks: gguf's quantization of random floats where it has one, else
+    random bytes with float16 scale fields of sane size (positive and negative)."""
+    rng = np.random.default_rng(seed)
+    try:
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    except NotImplementedError:
+        block, size = block_info(qtype)
+        raw = rng.integers(0, 256, (n, k // block * size), dtype=np.uint8)
+        blocks = raw.reshape(-1, size)
+        for off in F16_FIELDS[qtype]:
+            half = (rng.standard_normal(len(blocks)) * 0.02).astype(np.float16)
+            blocks[:, off:off + 2] = half.view(np.uint8).reshape(-1, 2)
+        return raw
+
+
+def activation_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """[M, N] the bound of the docstring, from the data (float64)."""
+    m, k = x.shape
+    xb = x.double().view(m, k // block, block)
+    dx = xb.abs().amax(-1) / 127  # [M, blocks]
+    wabs = w.double().abs().view(w.shape[0], k // block, block).sum(-1)  # [N, blocks]
+    rounding = (dx / 2) @ wabs.T
+    slack = (x.double().abs() @ w.double().abs().T) * 2.0 ** -17
+    return rounding + slack
+
+
+def check(qtype: T, x: torch.Tensor, raw: np.ndarray, y: torch.Tensor) -> None:
+    w = torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype))).reshape(raw.shape[0], x.shape[1])
+    exact = x.double() @ w.double().T
+    err = (y.double() - exact).abs()
+    bound = activation_bound(x.float(), w, block_info(qtype)[0])
+    assert y.dtype == torch.float32 and y.shape == exact.shape
+    assert (err <= bound).all(), f"worst error / bound: {(err / bound).max().item():.3f}"
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_kernel_matches_gguf_dequantization(level, qtype):
+    k = 512 if qtype.name.endswith("_K") else 608  # 19 blocks of 32: an odd count, a short last group
+    raw = random_blocks(qtype, 37, k, seed=int(qtype))  # 37 rows: tiles of 4 and 2 with a tail
+    w = kernels.pack_rows(torch.from_numpy(raw), qtype)
+    gen = torch.Generator().manual_seed(int(qtype))
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+        x[:, 40:44] = 0  # a block of zeros somewhere keeps d_x = 0 honest
+        check(qtype, x, raw, kernels.qmatmul(x, [w], [qtype]))
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_bfloat16_activations(level):
+    raw = random_blocks(T.Q4_K, 20, 512, seed=3)
+    x = torch.randn(5, 512).to(torch.bfloat16)
+    check(T.Q4_K, x.float(), raw, kernels.qmatmul(x, [kernels.pack_rows(torch.from_numpy(raw), T.Q4_K)], [T.Q4_K]))
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_mixed_segments_in_one_call_equal_separate_calls(level):
+    """q/k in Q4_K and v in Q6_K (as in Q4_K_M files), and a 32-block segment beside them: one call,
+    both activation quantizations, columns side by side, threads over all rows."""
+    torch.set_num_threads(2)
+    parts = [(T.Q4_K, 96), (T.Q6_K, 40), (T.Q4_K, 40), (T.Q8_0, 24)]
+    segs = [(kernels.pack_rows(torch.from_numpy(random_blocks(q, n, 1024, seed=i)), q), q)
+            for i, (q, n) in enumerate(parts)]
+    for m in (1, 7):
+        x = torch.randn(m, 1024)
+        fused = kernels.qmatmul(x, [w for w, _ in segs], [q for _, q in segs])
+        apart = torch.cat([kernels.qmatmul(x, [w], [q]) for w, q in segs], dim=1)
+        assert torch.equal(fused, apart)
+        ref = kernels.qmatmul_reference(x, [w for w, _ in segs], [q for _, q in segs])
+        torch.testing.assert_close(fused, ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+
+
+def test_dispatcher_op_equals_the_function():
+    raw = kernels.pack_rows(torch.from_numpy(random_blocks(T.Q4_1, 16, 256, seed=1)), T.Q4_1)
+    x = torch.randn(2, 256)
+    assert torch.equal(torch.ops.wallbreaker.qmatmul(x, [raw], [int(T.Q4_1)]), kernels.qmatmul(x, [raw], [T.Q4_1]))
+
+
+def test_bad_arguments_are_clear_errors():
+    w = kernels.pack_rows(torch.from_numpy(random_blocks(T.Q4_0, 4, 64, seed=0)), T.Q4_0)
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        kernels.qmatmul(torch.randn(1, 96), [w], [T.Q4_0])
+    with pytest.raises(RuntimeError, match="unsupported qtype"):
+        kernels.qmatmul(torch.randn(1, 64), [w], [T.F16])
+
+
+# -- the level switch ---------------------------------------------------------------------------
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_forcing_a_level_takes_effect(level):
+    assert kernels.isa() == level
+
+
+def test_unknown_or_unsupported_levels_are_errors():
+    with pytest.raises(ValueError, match="unknown kernel level"):
+        kernels.set_isa("sse9")
+    if kernels.cpu_isa() != "avx512":
+        with pytest.raises(ValueError, match="lacks"):
+            kernels.set_isa("avx512")
+
+
+def _isa_in_subprocess(**env) -> str:
+    code = "from wallbreaker import kernels; print(kernels.isa())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    return out.stdout.strip() or out.stderr.strip().splitlines()[-1]
+
+
+def test_environment_switches():
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "WALLBREAKER_CPU_ISA")}
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        assert _isa_in_subprocess() == kernels.cpu_isa()
+        assert _isa_in_subprocess(ATEN_CPU_CAPABILITY="default") == "generic"
+        assert _isa_in_subprocess(WALLBREAKER_CPU_ISA="generic", ATEN_CPU_CAPABILITY="avx2") == "generic"
+        if "avx2" in LEVELS:
+            assert _isa_in_subprocess(ATEN_CPU_CAPABILITY="avx2") == "avx2"
+            assert _isa_in_subprocess(WALLBREAKER_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="default") == "avx2"
+        assert "expected avx512, avx2 or generic" in _isa_in_subprocess(WALLBREAKER_CPU_ISA="fast")
+    finally:
+        os.environ.update({k: v for k, v in env.items()})
+
+
+# -- blocks made at load ------------------------------------------------------------------------
+def test_layout_round_trip_and_q8_0_blocks_equal_gguf():
+    for qtype in FORMATS:
+        raw = torch.from_numpy(random_blocks(qtype, 3, 512, seed=5))
+        assert torch.equal(kernels.unpack_rows(kernels.pack_rows(raw, qtype), qtype), raw)
+    w = torch.randn(8, 96)
+    assert np.array_equal(q8_0_blocks(w).numpy(), gguf.quants.quantize(w.numpy(), T.Q8_0))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (3, 64), (4, 128)])
+def test_int_grids_map_onto_q4_1(bits, group):
+    gen = torch.Generator().manual_seed(bits)
+    n, k = 6, 256
+    q = QuantizedTensor(torch.randint(0, 2 ** bits, (n, k), generator=gen).to(torch.uint8),
+                        (torch.rand(n, k // group, generator=gen) * 0.1).half().float(),
+                        torch.randint(0, 2 ** bits, (n, k // group), generator=gen).float(), bits, group)
+    blocks = q4_1_blocks(q)
+    ours = torch.from_numpy(np.array(gguf.quants.dequantize(blocks.numpy(), T.Q4_1))).reshape(n, k)
+    torch.testing.assert_close(ours, q.dequantize(), rtol=0, atol=q.dequantize().abs().max().item() * 2 ** -10)
+    assert q4_1_blocks(QuantizedTensor(q.codes, q.scales, q.zeros, 8, group)) is None
+
+
+# -- the auto path ------------------------------------------------------------------------------
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+def test_auto_model_matches_float32_within_activation_rounding(tiny_llama, qtype):
+    """Same stored blocks on both paths: float32 dequantizes them exactly, auto adds only the 8-bit
+    activation rounding of each matmul. Relative to the logits' spread, that stays within 2% (RMS)
+    over 4 layers; the top token agrees almost everywhere."""
+    path = tiny_llama.quantized_gguf(qtype)
+    exact = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
+    auto = LLM(str(path), dtype="auto", kv_cache_memory_gb=0.02)
+    layer = auto.model.layers[0]
+    assert isinstance(layer.attn.qkv, QuantLinear) and layer.attn.qkv.qtypes == [int(qtype)] * 3
+    assert isinstance(auto.model.lm_head, QuantLinear)  # the untied head, stored blocks too
+    files = auto.files.weights if hasattr(auto, "files") else None
+    if files is not None:  # resident bytes of the layers equal the file's tensor bytes
+        assert module_bytes(layer.mlp.down) == files["blk.0.ffn_down.weight"].nbytes
+    ids = exact.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    a, b = exact.logits(ids), auto.logits(ids)
+    rms = ((a - b).pow(2).mean() / a.var()).sqrt().item()
+    assert rms < 0.02, rms
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_tied_head_and_embedding_share_one_copy(tiny_qwen2):
+    path = tiny_qwen2.quantized_gguf(T.Q8_0)
+    llm = LLM(str(path), dtype="auto", kv_cache_memory_gb=0.02)
+    head, embed = llm.model.lm_head, llm.model.embed
+    assert isinstance(head, QuantLinear)
+    assert embed.rows.data_ptr() == head.blocks[0].data_ptr()
+    ids = torch.tensor([3, 7, 100])
+    torch.testing.assert_close(embed(ids), head.dequantize()[ids])
