@@ -22,6 +22,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import ModelCard, ModelList
 from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
+from .static import add_chat_page
 from .state import ServerState
 
 
@@ -77,6 +78,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(await parse_body(request, ChatCompletionRequest), request, state)
 
+    add_chat_page(app)  # GET / and /static/*: the chat page, never behind the key (it holds no secret)
     return app
 
 
