@@ -9,7 +9,7 @@ import torch
 
 from ..formats.packaged import cache_dir
 from ..kv import KVCache
-from ..layers.attention import AttentionMetadata, PrefillSpan
+from ..layers.attention import MAX_PAGED_QUERIES, AttentionMetadata, PrefillSpan
 from ..models.llama import CausalLM
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -46,22 +46,24 @@ class ModelRunner:
         their last token (they sample next) and their logits: one row each, or 1 + num_draft rows for a
         sequence carrying drafts to verify. With `all_logits`, the logits of every token computed, in
         batch order (for scoring a text)."""
-        order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] != 1)  # decodes first
+        # sequences with few new tokens first: they go to the paged kernel together
+        order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] > MAX_PAGED_QUERIES)
         if all_logits:
             order = list(range(len(batch)))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_tables, decode_lens, prefills = [], [], []
+        tables, query_start, context_lens, prefills = [], [0], [], []
         sampling_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
         for j in order:
             seq, n = batch.seqs[j], batch.num_new_tokens[j]
             start = seq.num_computed_tokens
             end = start + n
-            if n == 1:
-                decode_tables.append(seq.block_table)
-                decode_lens.append(end)
+            if n <= MAX_PAGED_QUERIES and not prefills:
+                tables.append(seq.block_table)
+                query_start.append(query_start[-1] + n)
+                context_lens.append(end)
             else:
                 prefills.append(PrefillSpan(len(input_ids), n, end, torch.tensor(seq.block_table, device=self.device)))
             input_ids += seq.tokens_to_compute(start, end)
@@ -71,13 +73,14 @@ class ModelRunner:
             if end == seq.num_tokens_with_spec:  # caught up: logits for the last token and each draft
                 sampling_rows += range(len(input_ids) - 1 - seq.num_draft, len(input_ids))
                 sampling_seqs.append(seq)
-        width = max((len(t) for t in decode_tables), default=0)
+        width = max((len(t) for t in tables), default=0)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=self.device),
-            decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                                             dtype=torch.long, device=self.device).view(len(decode_tables), width),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
-            prefills=prefills,
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                      dtype=torch.int32, device=self.device).view(len(tables), width),
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            prefills=prefills, num_paged_tokens=query_start[-1],
         )
         meta.positions = torch.tensor(positions, device=self.device)
         rows = None if all_logits else torch.tensor(sampling_rows, dtype=torch.long, device=self.device)

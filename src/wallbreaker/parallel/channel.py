@@ -9,7 +9,7 @@ from ..engine.model_runner import StepInputs
 from ..layers.attention import AttentionMetadata, PrefillSpan
 
 _STOP, _STEP = 0, 1
-_HEADER = 8  # kind, tokens, decode tokens, table width, prefills, copies, logit rows (-1: all), payload
+_HEADER = 9  # kind, tokens, paged sequences, table width, paged tokens, prefills, copies, logit rows (-1: all), payload
 
 
 class StepChannel:
@@ -21,12 +21,13 @@ class StepChannel:
         m = step.meta
         spans = [(s.start, s.length, s.context_len, len(s.block_table)) for s in m.prefills]
         rows = step.logit_rows
-        parts = [step.input_ids, m.positions, m.slot_mapping, m.decode_block_tables.flatten(), m.decode_context_lens,
+        parts = [step.input_ids, m.positions, m.slot_mapping, m.block_tables.flatten(), m.query_start, m.context_lens,
                  torch.tensor(spans, dtype=torch.long).flatten(), *(s.block_table for s in m.prefills),
                  torch.tensor(step.copies, dtype=torch.long).flatten(), rows if rows is not None else torch.empty(0)]
         payload = torch.cat([p.to("cpu", torch.long).flatten() for p in parts])
-        header = torch.tensor([_STEP, len(step.input_ids), m.num_decode_tokens, m.decode_block_tables.shape[1],
-                               len(spans), len(step.copies), -1 if rows is None else len(rows), len(payload)])
+        header = torch.tensor([_STEP, len(step.input_ids), len(m.context_lens), m.block_tables.shape[1],
+                               m.num_paged_tokens, len(spans), len(step.copies), -1 if rows is None else len(rows),
+                               len(payload)])
         dist.broadcast(header, 0, group=self.group)
         dist.broadcast(payload, 0, group=self.group)
 
@@ -37,7 +38,7 @@ class StepChannel:
         """The next step, or None when rank 0 stops the workers."""
         header = torch.empty(_HEADER, dtype=torch.long)
         dist.broadcast(header, 0, group=self.group)
-        kind, tokens, decodes, width, n_spans, n_copies, n_rows, size = header.tolist()
+        kind, tokens, paged, width, paged_tokens, n_spans, n_copies, n_rows, size = header.tolist()
         if kind == _STOP:
             return None
         payload = torch.empty(size, dtype=torch.long)
@@ -50,11 +51,12 @@ class StepChannel:
             return payload[cursor - n:cursor].to(self.device)
 
         input_ids, positions, slots = take(tokens), take(tokens), take(tokens)
-        tables, lens = take(decodes * width).view(decodes, width), take(decodes)
+        tables = take(paged * width).view(paged, width).int()
+        query_start, lens = take(paged + 1).int(), take(paged).int()
         spans = take(4 * n_spans).view(n_spans, 4).tolist()
         prefills = [PrefillSpan(start, length, context, take(table)) for start, length, context, table in spans]
         copies = [tuple(c) for c in take(2 * n_copies).view(n_copies, 2).tolist()]
         rows = None if n_rows < 0 else take(n_rows)
-        meta = AttentionMetadata(slot_mapping=slots, decode_block_tables=tables,
-                                 decode_context_lens=lens, prefills=prefills, positions=positions)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start=query_start, context_lens=lens,
+                                 prefills=prefills, positions=positions, num_paged_tokens=paged_tokens)
         return StepInputs(input_ids, meta, copies, rows)

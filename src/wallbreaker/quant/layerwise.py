@@ -56,8 +56,8 @@ class LayerRunner:
         positions = torch.arange(L).repeat(n)  # [n·L]
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n * L),
-            decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
-            decode_context_lens=torch.zeros(0, dtype=torch.long),
+            block_tables=torch.zeros(0, 1, dtype=torch.int32), query_start=torch.zeros(1, dtype=torch.int32),
+            context_lens=torch.zeros(0, dtype=torch.int32),
             prefills=[PrefillSpan(j * L, L, L, torch.tensor([j])) for j in range(n)], positions=positions,
             block_size=L)
         return positions, meta
