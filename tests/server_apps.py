@@ -1,6 +1,7 @@
 """In-process server apps over tiny models, for tests that need no subprocess."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -12,16 +13,20 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from wallbreaker import LLM
+from wallbreaker import LLM, EngineConfig
 from wallbreaker.server.app import build_app
 from wallbreaker.server.run import uvicorn_config
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
-def make_app(model: Path, *, max_model_len: int = 64, max_num_seqs: int = 4, **server_options) -> FastAPI:
-    llm = LLM(model, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs)
-    return build_app(llm, **server_options)
+def make_app(model: Path, *, max_model_len: int = 64, max_num_seqs: int = 4, **options) -> FastAPI:
+    """A float32 engine on `model` behind an app; `options` are engine options (EngineConfig's
+    fields) or server settings (ServerConfig's)."""
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine = {k: v for k, v in options.items() if k in engine_fields}
+    llm = LLM(model, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs, **engine)
+    return build_app(llm, **{k: v for k, v in options.items() if k not in engine_fields})
 
 
 @contextmanager
