@@ -163,3 +163,107 @@ def test_encode_chat_has_one_bos_at_most(add_bos: bool, source: str) -> None:
     assert ids.count(0) == int(add_bos or written)
     assert tokenizer.decode(ids) == "hi"
     assert ids[0] == 0 or not (add_bos or written)
+
+
+# -- untrusted templates: bounded time and size (issue 22, finding 8) ------------------------------------
+ATTACKS = {
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "nested loops over strings": "{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}",
+    "exponential macro": "{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "map over shared ranges": "{{ ([range(100000)] * 100000)|map('list')|map('length')|sum }}",
+    "gigabyte string": "{{ 'a' * 1000000000 }}",
+    "gigabyte string at run time": "{% set n = 10 ** 9 %}{% set x = 'a' * n %}ok",
+    "gigabyte list": "{% set x = [0] * 1000000000 %}",
+    "huge power": "{% set e = 10 ** 9 %}{{ 7 ** e }}",
+    "repeated squaring": "{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+    "doubling with +": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "doubling with ~": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "doubling with replace": "{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s|replace('a', 'aa') %}{% endfor %}",
+    "doubling with .replace": "{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s.replace('a', 'aa') %}{% endfor %}",
+    "center filter": "{{ 'a'|center(1000000000) }}",
+    "ljust method": "{% set w = 10 ** 9 %}{{ 'a'.ljust(w) }}",
+    "format width": "{{ '{:>1000000000}'.format('a') }}",
+    "nested format width": "{{ '{:>{w}}'.format('a', w=1000000000) }}",
+    "percent width": "{{ '%1000000000s' % 'a' }}",
+    "percent star width": "{{ '%*s' % (1000000000, 'a') }}",
+    "format filter width": "{{ '%1000000000s'|format('a') }}",
+    "indent": "{{ ('x\n' * 1000)|indent(1000000) }}",
+    "expandtabs": "{{ ('\t' * 1000).expandtabs(1000000) }}",
+    "output of a big string many times": "{% set big = 'x' * 1000000 %}{% for i in range(100000) %}{{ big }}{% endfor %}",
+    "join of a lazy map": "{{ range(100000)|map('center', 1000000)|join }}",
+    "str.join of a lazy map": "{{ ''.join(range(100000)|map('center', 1000000)) }}",
+    "tojson of shared references": "{% set big = 'x' * 1000000 %}{{ ([big] * 1000)|tojson }}",
+    "tojson indent": "{{ [[[[1]]]]|tojson(indent=1000000000) }}",
+    "output of a list of references": ("{% set big = 'x' * 3000000 %}{% set l = [big, big, big, big, big, big, big, big] %}"
+                                       "{{ [l, l, l, l, l, l, l, l, l, l] }}"),
+    "batch fill": "{{ range(3)|batch(1000000000, 'x')|list }}",
+    "slice count": "{{ range(3)|slice(1000000000)|list }}",
+    "sum of lists": "{% set l = range(100000)|list %}{{ ([l] * 1000)|sum(start=[])|length }}",
+    "urlize": "{{ ('a.b ' * 1000000)|urlize }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_attack_templates_fail_fast(name: str) -> None:
+    """Unfixed, each of these hung its thread (the loops, at 100% CPU for hours) or tried to
+    allocate gigabytes: most while the template compiled, as Jinja folds constant expressions."""
+    import resource
+    import time
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match="^chat template exceeded its (time|size) limit") as info:
+        ChatTemplate(ATTACKS[name], None, None).render([{"role": "user", "content": "hi"}])
+    assert time.perf_counter() - start < 2.5
+    assert "\n" not in str(info.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 400 * 1024  # KiB
+
+
+def test_lipsum_is_not_offered() -> None:
+    with pytest.raises(InvalidRequestError, match="lipsum"):
+        ChatTemplate("{{ lipsum(1000000000) }}", None, None).render([{"role": "user", "content": "hi"}])
+
+
+def test_limits_are_per_template_and_leave_normal_renders_alone() -> None:
+    messages = [{"role": "user", "content": "x" * 1000}] * 50
+    assert len(ChatTemplate(None, None, None).render(messages)) > 50_000
+    with pytest.raises(InvalidRequestError, match="more than 10000 characters of output"):
+        ChatTemplate(None, None, None, max_chars=10_000).render(messages)
+    slow = "{% for i in range(100000) %}{% for j in range(100) %}{% endfor %}{% endfor %}"
+    with pytest.raises(InvalidRequestError, match="time limit of 0.1 s"):
+        ChatTemplate(slow, None, None, max_render_s=0.1).render(messages)
+    big = "{% set s = 'ab' * 1000000 %}{{ s|length }} {{ (s ~ s)|length }} {{ s.center(3000000)|length }}"
+    assert ChatTemplate(big, None, None).render(messages) == "2000000 4000000 3000000"
+
+
+def test_renders_in_threads_have_their_own_deadlines() -> None:
+    import threading
+
+    slow = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", None, None)
+    fast = ChatTemplate(None, None, None)
+    errors: list[str] = []
+
+    def run() -> None:
+        try:
+            slow.render([{"role": "user", "content": "hi"}])
+        except InvalidRequestError as e:
+            errors.append(str(e))
+    thread = threading.Thread(target=run)
+    thread.start()
+    for _ in range(200):
+        assert fast.render([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
+    thread.join(10)
+    assert errors and "time limit" in errors[0]
+
+
+def test_jinja2_older_than_3_1_6_is_refused() -> None:
+    import jinja2
+
+    from wallbreaker.formats.chat_template import check_jinja2_version
+
+    for version in ("3.1.5", "3.1.0", "3.0.3", "2.11.3"):
+        with pytest.raises(ImportError, match=r"jinja2>=3\.1\.6.*CVE-2024-56326.*CVE-2025-27516"):
+            check_jinja2_version(version)
+    for version in ("3.1.6", "3.1.7.dev0", "3.2.0", "4.0"):
+        check_jinja2_version(version)
+    check_jinja2_version(jinja2.__version__)  # what is installed passes: the module imported
