@@ -441,6 +441,7 @@ BASE = dict(architecture="llama", vocab_size=32, hidden_size=64, intermediate_si
     ("rope_local_theta", math.nan), ("sliding_window", 0), ("layer_types", ("full",)),
     ("layer_types", ("full", "local")), ("hidden_act", "relu"), ("bos_token_id", 32), ("bos_token_id", -1),
     ("eos_token_ids", (1, 32)), ("eos_token_ids", ("1",)), ("tie_word_embeddings", "yes"),
+    ("max_position_embeddings", 2**63), ("sliding_window", 2**64),
 ])
 def test_model_config_refuses(field, value):
     with pytest.raises(ValueError, match=field):
@@ -449,7 +450,7 @@ def test_model_config_refuses(field, value):
 
 def test_model_config_accepts_the_boundaries():
     ModelConfig(**{**BASE, "bos_token_id": 0, "eos_token_ids": (31,), "rms_norm_eps": 1e30, "rope_theta": 2.0**63,
-                   "max_position_embeddings": 2**63, "hidden_size": np.int64(64)})
+                   "max_position_embeddings": 2**63 - 1, "hidden_size": np.int64(64)})
 
 
 # -- the safety net at the loader's entry --------------------------------------------------------------------

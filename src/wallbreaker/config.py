@@ -7,6 +7,7 @@ from numbers import Integral, Real
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
+MAX_SIZE = 2**63
 LAYER_TYPES = ("full", "sliding")
 
 
@@ -37,6 +38,8 @@ def _positive_int(name: str, value: object) -> None:
         raise ConfigError(name, f"{name} must be an integer, got {short_repr(value)}")
     if value <= 0:
         raise ConfigError(name, f"{name} must be positive, got {value}")
+    if value >= MAX_SIZE:
+        raise ConfigError(name, f"{name} must be below 2**63 (tensors and kernels count in int64), got {value}")
 
 
 def _positive_float(name: str, value: object) -> None:
