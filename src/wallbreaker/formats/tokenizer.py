@@ -246,6 +246,9 @@ class Tokenizer:
         except WallbreakerError:
             raise
         except Exception as e:  # the tokenizers library raises a bare Exception for merges of unknown tokens
+            where = _first_invalid_utf8(metadata, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+            if where is not None:
+                raise ModelFormatError(f"{where} is not valid UTF-8") from e
             raise ModelFormatError(f"tokenizer.ggml.*: the tokenizers library refuses this vocabulary: {_one_line(e)}") from e
 
         def token_id(key: str, default: int | None = None) -> int | None:
@@ -353,6 +356,18 @@ def _post_processor_ids(node: Any) -> set[int]:
         for value in node:
             ids |= _post_processor_ids(value)
     return ids
+
+
+def _first_invalid_utf8(metadata: Mapping[str, Any], keys: Sequence[str]) -> str | None:
+    """`key[i]` of the first string that is not valid UTF-8 (gguf_file keeps such bytes as surrogates)."""
+    for key in keys:
+        for i, text in enumerate(metadata.get(key) or ()):
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    return f"{key}[{i}]"
+    return None
 
 
 def _one_line(e: BaseException) -> str:
