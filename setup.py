@@ -17,7 +17,8 @@ setup(
         CppExtension(
             "wallbreaker._C",
             ["csrc/ops.cpp", "csrc/kernels_generic.cpp", "csrc/kernels_avx2.cpp", "csrc/kernels_avx512.cpp",
-             "csrc/attention_ops.cpp", "csrc/attention_generic.cpp", "csrc/attention_avx2.cpp"],
+             "csrc/attention_ops.cpp", "csrc/attention_generic.cpp", "csrc/attention_avx2.cpp",
+             "csrc/fused_ops.cpp"],
             extra_compile_args=["-O3", "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized"],
             depends=["csrc/qkernels.h", "csrc/qblocks.inc", "csrc/tile_driver.inc", "csrc/kscales_avx2.inc",
                      "csrc/attention.h", "csrc/attention_impl.inc", "csrc/fp8.h"],

@@ -7,7 +7,7 @@
 
 namespace wb {
 
-enum KVType : int { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
+enum KVType : int { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3, KV_F16 = 4 };
 
 struct AttnArgs {
   const float* q;  // [T, H, D] the queries, sequence after sequence

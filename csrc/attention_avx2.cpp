@@ -33,6 +33,8 @@ inline __m256 load8(const void* row, int64_t i) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  if (KVT == KV_F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i)));
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + i));
   if (KVT == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   return _mm256_i32gather_ps(kFp8.v, _mm256_cvtepu8_epi32(b), 4);
@@ -79,6 +81,7 @@ void dot_rows(const float* q, int64_t G, const void* row, int kv_type, int64_t D
   switch (kv_type) {
     case KV_F32: return dot_rows_t<KV_F32>(q, G, row, D, s, ld);
     case KV_BF16: return dot_rows_t<KV_BF16>(q, G, row, D, s, ld);
+    case KV_F16: return dot_rows_t<KV_F16>(q, G, row, D, s, ld);
     case KV_INT8: return dot_rows_t<KV_INT8>(q, G, row, D, s, ld);
     default: return dot_rows_t<KV_FP8>(q, G, row, D, s, ld);
   }
@@ -139,6 +142,7 @@ void weighted_sum(const float* w, int64_t G, int64_t cnt, const char* vbase, con
   switch (kv_type) {
     case KV_F32: return weighted_t<KV_F32>(w, G, cnt, vbase, slots, row_bytes, out, D);
     case KV_BF16: return weighted_t<KV_BF16>(w, G, cnt, vbase, slots, row_bytes, out, D);
+    case KV_F16: return weighted_t<KV_F16>(w, G, cnt, vbase, slots, row_bytes, out, D);
     case KV_INT8: return weighted_t<KV_INT8>(w, G, cnt, vbase, slots, row_bytes, out, D);
     default: return weighted_t<KV_FP8>(w, G, cnt, vbase, slots, row_bytes, out, D);
   }

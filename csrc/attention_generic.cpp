@@ -10,6 +10,15 @@
 namespace wb {
 namespace {
 
+inline float half_to_float(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  float v;
+  if (exp == 0) v = ldexpf((float)man, -24);
+  else if (exp == 31) v = man ? NAN : INFINITY;
+  else v = ldexpf((float)(man | 0x400), exp - 25);
+  return sign ? -v : v;
+}
+
 inline float elem(const void* row, int kv_type, int64_t i) {
   switch (kv_type) {
     case KV_F32: return static_cast<const float*>(row)[i];
@@ -19,6 +28,7 @@ inline float elem(const void* row, int kv_type, int64_t i) {
       memcpy(&f, &bits, 4);
       return f;
     }
+    case KV_F16: return half_to_float(static_cast<const uint16_t*>(row)[i]);
     case KV_INT8: return (float)static_cast<const int8_t*>(row)[i];
     default: return fp8_e4m3_to_float(static_cast<const uint8_t*>(row)[i]);
   }

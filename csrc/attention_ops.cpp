@@ -13,6 +13,7 @@ int kv_type_of(const torch::Tensor& cache) {
   switch (cache.scalar_type()) {
     case torch::kFloat: return wb::KV_F32;
     case torch::kBFloat16: return wb::KV_BF16;
+    case torch::kHalf: return wb::KV_F16;
     case torch::kChar: return wb::KV_INT8;
     case torch::kFloat8_e4m3fn: return wb::KV_FP8;
     default: TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", cache.scalar_type());

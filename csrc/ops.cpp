@@ -113,6 +113,14 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                               const torch::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
                               double softcap);
 
+// fused_ops.cpp
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& w, double eps);
+torch::Tensor gated_act(const torch::Tensor& gate_up, const std::string& act);
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                            torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                            int64_t H, int64_t KVH, const c10::optional<torch::Tensor>& q_norm,
+                            const c10::optional<torch::Tensor>& k_norm, double eps);
+
 std::string get_isa() { return kNames[level()]; }
 
 std::string cpu_isa() { return kNames[cpu_level()]; }
@@ -240,4 +248,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
         py::arg("block_tables"), py::arg("query_start"), py::arg("context_lens"), py::arg("block_size"),
         py::arg("scale"), py::arg("window"), py::arg("softcap"));
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta; rms_norm(x) * w", py::arg("x"), py::arg("delta"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("gated_act", &gated_act, "act(gate) * up of a fused [rows, 2 I] projection", py::arg("gate_up"),
+        py::arg("act"));
+  m.def("rope_write_kv", &rope_write_kv, "q/k norm, RoPE and the K/V cache write of a fused qkv projection",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("q_norm"),
+        py::arg("k_norm"), py::arg("eps"));
 }

@@ -54,7 +54,7 @@ def paged_case(H=8, KVH=2, D=32, lens=(37, 1, 70, 16), queries=(1, 1, 3, 16), bl
     return q, k, v, tables, query_start, torch.tensor(lens, dtype=torch.int32), block_size
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("heads", [(8, 2, 32), (9, 3, 64), (4, 4, 16), (12, 1, 8)])
 def test_paged_attention_matches_dense_attention(level, dtype, window, softcap, heads):

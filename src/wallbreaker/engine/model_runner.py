@@ -95,7 +95,7 @@ class ModelRunner:
         self.kv_cache.copy_blocks(step.copies)
         step.meta.block_size = self.kv_cache.block_size
         forward = self.model.forward if step.meta.prefills else self.decode_forward
-        hidden = forward(step.input_ids, step.meta.positions, step.meta)
+        hidden = forward(step.input_ids, step.meta)
         if step.logit_rows is None:
             return self.model.logits(hidden)
         if not len(step.logit_rows):

@@ -47,13 +47,6 @@ class AttentionMetadata:
         return self._memo[key]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k_cache: [kv_heads, slots, head_dim]; k: [T, kv_heads, head_dim]."""
-    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim]. The new tokens' K/V must already be written."""

@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _C
+
 
 class RMSNorm(nn.Module):
     """RMS normalization in float32; `weight` is the effective multiplier (Gemma's 1 + w is folded in at load)."""
@@ -12,6 +14,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """h += delta (h float32, in place), then the norm of h: one pass, where a residual add meets
+        the next norm. Without a delta, just the norm."""
+        if delta is None:
+            return self(h)
+        return _C.add_rms_norm_(h, delta, self.weight, self.eps)

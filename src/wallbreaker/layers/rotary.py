@@ -16,15 +16,11 @@ class RotaryEmbedding(nn.Module):
         self.key = (head_dim, theta, scaling_factor)  # layers with equal keys share one cos/sin per step
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin, [T, 1, head_dim]: apply() is then one roll and three products."""
+        """cos and sign-folded sin, [T, head_dim]: the rotation is then x * cos + roll(x, half) * sin,
+        which the fused q/k step (`_C.rope_write_kv`) applies."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         half = emb.shape[-1] // 2
         sin = emb.sin()
         sin[:, :half].neg_()  # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1.., 1..]; the sign is exact
-        return emb.cos()[:, None, :], sin[:, None, :]
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; cos, sin from cos_sin()."""
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        return emb.cos(), sin

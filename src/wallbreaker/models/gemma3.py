@@ -23,9 +23,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, layer, src)
         self.post_mlp_norm = _norm(src, p + "post_ffw_norm.weight", eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, meta))
-        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.post_attn_norm(self.attn(self.attn_norm.add_and_norm(h, delta), meta))
+        return h, self.post_mlp_norm(self.mlp(self.mlp_norm.add_and_norm(h, attn)))
 
 
 class Gemma3CausalLM(CausalLM):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import _C
 from ..config import ModelConfig
-from ..layers.activation import gated
-from ..layers.attention import AttentionMetadata, paged_attention, write_kv
+from ..layers.attention import AttentionMetadata, paged_attention
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .source import WeightSource
@@ -42,17 +42,13 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [kv_heads, slots, head_dim], bound by the runner
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = meta.rotary(self.rope, q.dtype)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv(x)  # [T, (heads + 2 kv_heads) * head_dim]
+        cos, sin = meta.rotary(self.rope)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q = _C.rope_write_kv(qkv, cos, sin, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads,
+                             self.num_kv_heads, *norms, eps)  # [T, heads, head_dim]; K/V are in the cache
         out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
         return self.o(out.flatten(1))
 
@@ -66,10 +62,13 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(gated(self.gate_up(x), self.act))
+        return self.down(_C.gated_act(self.gate_up(x), self.act))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block. The residual add is deferred: a layer returns (h, delta), the output being
+    h + delta, and the next norm adds delta into h in the same pass (`RMSNorm.add_and_norm`)."""
+
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."
@@ -78,9 +77,10 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = _norm(src, p + "ffn_norm.weight", cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer, src)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, meta)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.attn(self.attn_norm.add_and_norm(h, delta), meta)
+        return h, self.mlp(self.mlp_norm.add_and_norm(h, attn))
 
 
 class CausalLM(nn.Module):
@@ -96,13 +96,14 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i, src) for i in range(cfg.num_layers))
         self.norm = _norm(src, "output_norm.weight", cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed(input_ids)  # [T, hidden]
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed(input_ids).float()  # [T, hidden]: the residual stream is float32 on every path
         if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        delta = None
         for layer in self.layers:
-            x = layer(x, positions, meta)
-        return self.norm(x)
+            h, delta = layer(h, meta, delta)
+        return self.norm.add_and_norm(h, delta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [B, vocab]

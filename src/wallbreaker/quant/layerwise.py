@@ -51,7 +51,7 @@ class LayerRunner:
         shape = (cfg.num_kv_heads, batch * seqlen, cfg.head_dim)  # [kv_heads, slots, head_dim]: one block a sequence
         self._k, self._v = torch.zeros(shape), torch.zeros(shape)
 
-    def _meta(self, n: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    def _meta(self, n: int) -> AttentionMetadata:
         L = self.seqlen
         positions = torch.arange(L).repeat(n)  # [n·L]
         meta = AttentionMetadata(
@@ -60,7 +60,7 @@ class LayerRunner:
             context_lens=torch.zeros(0, dtype=torch.int32),
             prefills=[PrefillSpan(j * L, L, L, torch.tensor([j])) for j in range(n)], positions=positions,
             block_size=L)
-        return positions, meta
+        return meta
 
     @torch.no_grad()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -75,9 +75,9 @@ class LayerRunner:
         try:
             for start in range(0, ids.shape[0], self.batch):
                 chunk = ids[start:start + self.batch]
-                positions, meta = self._meta(chunk.shape[0])
+                meta = self._meta(chunk.shape[0])
                 try:
-                    self.model(chunk.reshape(-1), positions, meta)
+                    self.model(chunk.reshape(-1), meta)
                 except _Stop:
                     pass
         finally:
@@ -96,8 +96,9 @@ class LayerRunner:
         try:
             for start in range(0, hidden.shape[0], self.batch):
                 chunk = hidden[start:start + self.batch]
-                positions, meta = self._meta(chunk.shape[0])
-                outs.append(layer(chunk.reshape(-1, chunk.shape[-1]), positions, meta).float())
+                meta = self._meta(chunk.shape[0])
+                h, delta = layer(chunk.reshape(-1, chunk.shape[-1]).float().clone(), meta)
+                outs.append(h + delta)
         finally:
             attn.k_cache, attn.v_cache = saved
         return torch.cat(outs).view(hidden.shape)

@@ -1,0 +1,169 @@
+// The small per-layer steps between the matmuls, each one call instead of a handful of PyTorch
+// ops: a decode step of a 30-layer model ran ~25 ops a layer, and at batch 1 their dispatch cost
+// as much as the weights' bytes. Plain C++ over float32 rows (the work is a few thousand values a
+// token); rows split over threads when there are many (prefill).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 16;
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's float -> bfloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  double ss = 0.0;  // double: the same sum whatever the order, close to torch's float32 result
+  for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+  return (float)(1.0 / std::sqrt(ss / n + eps));
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == 2 && t.stride(1) == 1 && t.device().is_cpu(), name,
+              " must be a float32 [rows, n] CPU tensor with contiguous rows");
+}
+
+}  // namespace
+
+// x += delta (in place), then returns rms_norm(x) * w: a residual add and the next norm in one pass.
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& w, double eps) {
+  check_rows(x, "add_rms_norm_: x");
+  auto d = delta.to(torch::kFloat).contiguous();
+  TORCH_CHECK(d.sizes() == x.sizes() && w.numel() == x.size(1) && w.scalar_type() == torch::kFloat,
+              "add_rms_norm_: shapes do not match");
+  auto y = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  float* xp = x.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  const float* wp = w.contiguous().data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t lx = x.stride(0);
+  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      float* xr = xp + r * lx;
+      const float* dr = dp + r * n;
+      for (int64_t i = 0; i < n; i++) xr[i] += dr[i];
+      const float s = inv_rms(xr, n, (float)eps);
+      float* yr = yp + r * n;
+      for (int64_t i = 0; i < n; i++) yr[i] = xr[i] * s * wp[i];
+    }
+  });
+  return y;
+}
+
+// act(gate) * up for a fused [rows, 2 I] projection: SwiGLU ("silu") or GeGLU ("gelu_tanh").
+torch::Tensor gated_act(const torch::Tensor& gate_up_in, const std::string& act) {
+  auto gate_up = gate_up_in.to(torch::kFloat).contiguous();
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gated_act: [rows, 2 * inter]");
+  TORCH_CHECK(act == "silu" || act == "gelu_tanh", "gated_act: unknown activation ", act);
+  const bool silu = act == "silu";
+  const int64_t I = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, gate_up.size(0), kRowsPerTask, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const float* g = gp + r * 2 * I;
+      const float* u = g + I;
+      float* o = op + r * I;
+      if (silu) {
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      } else {  // torch's gelu(approximate="tanh")
+        for (int64_t i = 0; i < I; i++) {
+          const float x = g[i];
+          o[i] = 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// From the fused q|k|v projection [T, (H + 2 KVH) D]: per head RMSNorm of q and k where the model
+// has one (Gemma 3), rotate-half RoPE of q and k with cos / sign-folded sin [T, D], and K and V
+// written into the layer's cache [KVH, slots, D] (float32, bfloat16 or float16) at each token's slot.
+// Returns q [T, H, D] float32.
+torch::Tensor rope_write_kv(const torch::Tensor& qkv_in, const torch::Tensor& cos, const torch::Tensor& sin,
+                            torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                            int64_t H, int64_t KVH, const c10::optional<torch::Tensor>& q_norm,
+                            const c10::optional<torch::Tensor>& k_norm, double eps) {
+  auto qkv = qkv_in.to(torch::kFloat).contiguous();
+  const int64_t T = qkv.size(0), D = k_cache.size(2);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * KVH) * D, "rope_write_kv: qkv must be [T, (H + 2 KVH) D]");
+  TORCH_CHECK(D % 2 == 0 && cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+              "rope_write_kv: cos and sin must be float32 [T, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.size(0) == KVH && k_cache.scalar_type() == v_cache.scalar_type(),
+              "rope_write_kv: caches must be contiguous [KVH, slots, D] of one dtype");
+  const auto kv_dtype = k_cache.scalar_type();
+  TORCH_CHECK(kv_dtype == torch::kFloat || kv_dtype == torch::kBFloat16 || kv_dtype == torch::kHalf,
+              "rope_write_kv: float32, bfloat16 or float16 caches");
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == T, "rope_write_kv: one slot a token");
+  const int64_t S = k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++) TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "rope_write_kv: slot out of range");
+  for (const auto* w : {&q_norm, &k_norm})
+    TORCH_CHECK(!w->has_value() || ((*w)->numel() == D && (*w)->scalar_type() == torch::kFloat),
+                "rope_write_kv: q/k norm weights must be float32 [D]");
+  const float* qn = q_norm.has_value() ? q_norm->contiguous().data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->contiguous().data_ptr<float>() : nullptr;
+
+  auto q = torch::empty({T, H, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t elem = kv_dtype == torch::kFloat ? 4 : 2, half = D / 2, width = (H + 2 * KVH) * D;
+
+  auto store = [&](char* base, int64_t head, int64_t slot, const float* x) {
+    char* dst = base + ((head * S) + slot) * D * elem;
+    if (kv_dtype == torch::kBFloat16) {
+      uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < D; i++) d[i] = to_bf16(x[i]);
+    } else if (kv_dtype == torch::kHalf) {
+      c10::Half* d = reinterpret_cast<c10::Half*>(dst);
+      for (int64_t i = 0; i < D; i++) d[i] = c10::Half(x[i]);
+    } else {
+      std::memcpy(dst, x, sizeof(float) * D);
+    }
+  };
+  // y = norm(x) rotated: y = x * cos + rotate_half(x) * sin (sin's first half already negated)
+  auto rope = [&](const float* x, const float* norm, const float* c, const float* s, float* y) {
+    float buf[1024];
+    const float* in = x;
+    if (norm) {
+      const float r = inv_rms(x, D, (float)eps);
+      for (int64_t i = 0; i < D; i++) buf[i] = x[i] * r * norm[i];
+      in = buf;
+    }
+    for (int64_t i = 0; i < D; i++) y[i] = in[i] * c[i] + in[i < half ? i + half : i - half] * s[i];
+  };
+  TORCH_CHECK(D <= 1024, "rope_write_kv: head_dim above 1024");
+  at::parallel_for(0, T, kRowsPerTask, [&](int64_t t0, int64_t t1) {
+    float k_rot[1024];
+    for (int64_t t = t0; t < t1; t++) {
+      const float* row = src + t * width;
+      const float* c = cp + t * D;
+      const float* s = snp + t * D;
+      for (int64_t h = 0; h < H; h++) rope(row + h * D, qn, c, s, qp + (t * H + h) * D);
+      for (int64_t h = 0; h < KVH; h++) {
+        rope(row + (H + h) * D, kn, c, s, k_rot);
+        store(kc, h, sp[t], k_rot);
+        store(vc, h, sp[t], row + (H + KVH + h) * D);
+      }
+    }
+  });
+  return q;
+}
