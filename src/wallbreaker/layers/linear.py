@@ -18,7 +18,8 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))
+        """In the weights' dtype (the residual stream between layers is float32 on every path)."""
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
 class QuantLinear(nn.Module):
