@@ -8,6 +8,8 @@ and a 2-token greedy `generate` (and a chat turn) must either work or raise a
 `wallbreaker.errors.WallbreakerError` other than the loader's last-resort safety net, within a
 per-case time limit; the cases run in one subprocess whose address space is capped and whose
 peak RSS must stay under MAX_RSS, so that a memory bomb fails the test instead of the machine.
+Only a loader's errors count (ModelFormatError, UnsupportedModelError): a file the loader lets
+through must work. `test_hf_config_fuzz` does the same to a Hugging Face folder's config.json.
 """
 from __future__ import annotations
 
@@ -70,10 +72,8 @@ def metadata_cases(fields: dict[str, tuple[Any, VType, VType | None]]) -> Iterat
             yield f"{key}[0]=invalid UTF-8", {key: ([b"\xff\xfe" + value[0].encode(), *value[1:]], VType.ARRAY, VType.STRING)}
 
 
-def run_cases(sources: list[str], work: str) -> None:
-    """The subprocess: every case of every source file, one JSON line each, then the peak RSS."""
-    from test_loader_hardening import GGUFContents
-
+def _run(cases: Iterator[tuple[str, Any]], write: Any, path: Path) -> None:
+    """For each (label, case): write it to `path`, load it, generate; print one JSON line."""
     from wallbreaker import LLM, SamplingParams
     from wallbreaker.errors import WallbreakerError
     from wallbreaker.formats import UNEXPECTED
@@ -86,63 +86,113 @@ def run_cases(sources: list[str], work: str) -> None:
 
     signal.signal(signal.SIGALRM, alarm)
     greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    for label, case in cases:
+        write(path, case)
+        start = time.perf_counter()
+        signal.alarm(CASE_SECONDS)
+        try:
+            llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory_gb=0.01, max_num_seqs=4)
+            assert llm.generate(["Hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            try:
+                llm.chat([{"role": "user", "content": "Hi"}], greedy, use_tqdm=False)
+            except WallbreakerError as e:  # a template that renders past max_model_len, say
+                outcome = f"ok, chat: {type(e).__name__}: {e}"
+            else:
+                outcome = "ok"
+            del llm
+        except WallbreakerError as e:
+            net = UNEXPECTED in str(e) and not isinstance(e.__cause__, WallbreakerError)
+            outcome = f"{'NET ' if net else ''}{type(e).__name__}: {e}"
+            if "\n" in str(e):
+                outcome = "MULTILINE " + outcome
+        except BaseException as e:  # noqa: BLE001 - anything else is what this test is for
+            outcome = f"UNTYPED {type(e).__name__}: {' '.join(str(e).split())}"
+        finally:
+            signal.alarm(0)
+        print(json.dumps({"case": label, "outcome": outcome[:300], "seconds": round(time.perf_counter() - start, 3),
+                          "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
+
+
+def run_cases(sources: list[str], work: str) -> None:
+    """The subprocess: every metadata case of every source GGUF."""
+    from test_loader_hardening import GGUFContents
+
     for source in sources:
         contents = GGUFContents.read(Path(source))
-        for label, changes in metadata_cases(contents.fields):
-            path = Path(work) / "case.gguf"
-            contents.write(path, changes)
-            start = time.perf_counter()
-            signal.alarm(CASE_SECONDS)
-            try:
-                llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory_gb=0.01, max_num_seqs=4)
-                assert llm.generate(["Hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids
-                try:
-                    llm.chat([{"role": "user", "content": "Hi"}], greedy, use_tqdm=False)
-                except WallbreakerError as e:  # a template that renders past max_model_len, say
-                    outcome = f"ok, chat: {type(e).__name__}: {e}"
-                else:
-                    outcome = "ok"
-                del llm
-            except WallbreakerError as e:
-                net = UNEXPECTED in str(e) and not isinstance(e.__cause__, WallbreakerError)
-                outcome = f"{'NET ' if net else ''}{type(e).__name__}: {e}"
-                if "\n" in str(e):
-                    outcome = "MULTILINE " + outcome
-            except BaseException as e:  # noqa: BLE001 - anything else is what this test is for
-                outcome = f"UNTYPED {type(e).__name__}: {' '.join(str(e).split())}"
-            finally:
-                signal.alarm(0)
-            print(json.dumps({"case": f"{Path(source).parent.name}: {label}", "outcome": outcome[:300],
-                              "seconds": round(time.perf_counter() - start, 3),
-                              "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
-            path.unlink()
+        name = Path(source).parent.name
+        _run(((f"{name}: {label}", changes) for label, changes in metadata_cases(contents.fields)),
+             contents.write, Path(work) / "case.gguf")
 
 
-def _fuzz(*tiny_models) -> list[dict]:
+CONFIG_VALUES = (0, -1, 2**31, 2**63, 1.5, math.nan, "x" * 2**20, None, True, [], {}, [1, 2])
+
+
+def config_cases(config: dict[str, Any]) -> Iterator[tuple[str, dict]]:
+    """(label, config.json) with every key, and every key of its rope parameters, set to each value."""
+    paths = [(k,) for k in config] + [("rope_scaling",), ("quantization_config",), ("text_config",)]
+    for key, value in config.items():
+        if isinstance(value, dict):
+            paths += [(key, k) for k in value]
+            paths += [(key, k, kk) for k, v in value.items() if isinstance(v, dict) for kk in v]
+    for path in paths:
+        for v in CONFIG_VALUES:
+            edited = json.loads(json.dumps(config))
+            node = edited
+            for p in path[:-1]:
+                node = node[p]
+            node[path[-1]] = v
+            if path == ("text_config",):
+                edited["model_type"] = "gemma3"
+            yield f"config.json {'.'.join(path)}={repr(v)[:24]}", edited
+
+
+def run_config_cases(folder: str, work: str) -> None:
+    """The subprocess: every config.json case of the Hugging Face folder `folder`."""
+    import shutil
+
+    copy = Path(work) / "hf"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    _run(config_cases(config), lambda path, c: (path / "config.json").write_text(json.dumps(c)), copy)
+
+
+def _subprocess(call: str) -> list[dict]:
+    """Run `call` (of this module) in a fresh interpreter whose address space is capped."""
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
-    sources = [str(t.gguf_path) for t in tiny_models]
     tests = str(Path(__file__).parent)
-    with tempfile.TemporaryDirectory() as work:
-        code = (f"import sys; sys.path.insert(0, {tests!r})\n"
-                f"from test_gguf_metadata_fuzz import run_cases\nrun_cases({sources!r}, {work!r})")
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                                preexec_fn=cap, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = f"import sys; sys.path.insert(0, {tests!r})\nimport test_gguf_metadata_fuzz as f\nf.{call}"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                            preexec_fn=cap, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
-def test_gguf_metadata_fuzz(tiny_llama, tiny_gemma3) -> None:
-    start = time.perf_counter()
-    results = _fuzz(tiny_llama, tiny_gemma3)
-    elapsed = time.perf_counter() - start
+def _check(results: list[dict], elapsed: float) -> None:
     bad = [r for r in results if not r["outcome"].startswith(("ok", "ModelFormatError", "UnsupportedModelError"))]
     assert not bad, "\n".join(f"{r['case']}: {r['outcome']}" for r in bad)
     slow = [r for r in results if r["seconds"] > CASE_SECONDS / 2]
     assert not slow, slow
     peak = max(r["maxrss"] for r in results)
     assert peak < MAX_RSS, f"peak RSS {peak / 2**30:.2f} GiB"
-    assert len(results) > 200
     ok = sum(r["outcome"].startswith("ok") for r in results)
     print(f"\n{len(results)} cases ({ok} working models) in {elapsed:.1f} s, peak RSS {peak / 2**20:.0f} MiB")
+
+
+def test_gguf_metadata_fuzz(tiny_llama, tiny_gemma3) -> None:
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as work:
+        results = _subprocess(f"run_cases({[str(tiny_llama.gguf_path), str(tiny_gemma3.gguf_path)]!r}, {work!r})")
+    assert len(results) > 200
+    _check(results, time.perf_counter() - start)
+
+
+def test_hf_config_fuzz(tiny_gemma3) -> None:
+    """The same over a Hugging Face folder's config.json: every key (nested rope parameters too)
+    set to numbers out of range, a 1 MiB string, null, a boolean, an empty list and object."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as work:
+        results = _subprocess(f"run_config_cases({str(tiny_gemma3.hf_dir)!r}, {work!r})")
+    assert len(results) > 300
+    _check(results, time.perf_counter() - start)
