@@ -221,10 +221,10 @@ class Tokenizer:
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ModelFormatError("GGUF metadata has no tokenizer.ggml.tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        if not isinstance(tokens, list) or set(map(type, tokens)) != {str}:  # map(type): fast on 150k tokens
             raise ModelFormatError(f"tokenizer.ggml.tokens must be an array of strings, got {short_repr(tokens)}")
         types = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-        if not isinstance(types, list) or not all(isinstance(k, int) for k in types):
+        if not isinstance(types, list) or not set(map(type, types)) <= {int, bool}:
             raise ModelFormatError(f"tokenizer.ggml.token_type must be an array of integers, got {short_repr(types)}")
         if len(types) != len(tokens):
             raise ModelFormatError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
@@ -475,7 +475,7 @@ def _add_special_tokens(backend: Backend, tokens: list[str], types: list[int], v
 def _parse_merges(merges: Any) -> list[tuple[str, str]] | None:
     if merges is None:
         return None
-    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+    if not isinstance(merges, list) or not set(map(type, merges)) <= {str}:
         raise ModelFormatError(f"tokenizer.ggml.merges must be an array of strings, got {short_repr(merges)}")
     pairs = []
     for merge in merges:
