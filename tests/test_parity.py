@@ -102,7 +102,7 @@ def test_real_model_matches_transformers(alias, packaged_model):
 
 
 def test_auto_path_runs_a_tied_4bit_embedding(tiny_qwen2):
-    """Qwen2's head is tied; stored as Q4_0 it becomes an int4 head and rows come from the blocks."""
+    """Qwen2's head is tied; stored as Q4_0 it stays Q4_0 blocks for the head and rows come from the blocks."""
     path = tiny_qwen2.quantized_gguf(__import__("gguf").GGMLQuantizationType.Q4_0)
     exact = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
     packed = LLM(str(path), dtype="auto", kv_cache_memory_gb=0.02)

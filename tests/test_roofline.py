@@ -16,7 +16,7 @@ from wallbreaker.machine import MachineProfile, Sample, load_profile, measure, s
 from wallbreaker.roofline import decode_cost_of, decode_bound_tokens_per_s, llm_cost, roofline_fraction
 
 BANDWIDTH = 27e9
-FLOPS = {"float32": 1.5e11, "bfloat16": 4e11, "int4": 2e11, "int8": 2e11}
+FLOPS = {"float32": 1.5e11, "bfloat16": 4e11, "q4": 2e11, "q8": 2e11}
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_roofline_fraction_needs_a_stored_bandwidth(tiny_llama, cache):
 
 def test_machine_profile_round_trips_through_its_json(cache):
     profile = measure([1], buffer_mib=4, repeats=1, gemm_size=64)
-    assert profile.read_bandwidth(1) > 0 and set(profile.flops) == {"float32", "bfloat16", "int4", "int8"}
+    assert profile.read_bandwidth(1) > 0 and set(profile.flops) == {"float32", "bfloat16", "q4", "q8"}
     store_profile(profile)
     again = load_profile()
     assert again.to_json() == profile.to_json()

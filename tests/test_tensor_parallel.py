@@ -23,7 +23,7 @@ from wallbreaker.errors import InvalidRequestError
 from wallbreaker.formats import open_model
 from wallbreaker.formats.gguf_file import GGUFTensor
 from wallbreaker.formats.gguf_model import _weight_ref
-from wallbreaker.layers.linear import Int4Linear
+from wallbreaker.layers.linear import QuantLinear
 from wallbreaker.parallel.layers import RowParallelLinear
 from wallbreaker.parallel.shard import check_splittable, even_range, head_shard
 
@@ -97,11 +97,12 @@ def test_gguf_slices_equal_the_slice_of_the_whole(qtype):
         assert torch.equal(ref.load_slice(0, 16, 48), full[16:48])
         for lo, hi in [(64, 320), (256, 512), (40, 100)]:  # on block boundaries, and not
             assert torch.equal(ref.load_slice(1, lo, hi), full[:, lo:hi])
-        if ref.int4 is not None:
-            groups = ref.int4().dequantize()
-            assert torch.equal(ref.int4_slice(0, 16, 48).dequantize(), groups[16:48])
-            assert torch.equal(ref.int4_slice(1, 96, 480).dequantize(), groups[:, 96:480])
-            assert ref.int4_slice(1, 40, 100) is None  # cuts a group: the caller falls back to int8
+        if ref.blocks is not None:  # the stored blocks the kernels read: rows, and whole-block columns
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            blocks = ref.blocks()
+            assert torch.equal(ref.blocks_part(0, 16, 48), blocks[16:48])
+            assert torch.equal(ref.blocks_part(1, 256, 512), blocks[:, 256 // block * size:])
+            assert ref.blocks_part(1, 40, 100) is None  # cuts a block: the caller requantizes
 
 
 def test_safetensors_slices_equal_the_slice_of_the_whole(tiny_qwen2):
@@ -128,7 +129,7 @@ def test_three_ranks_replicate_the_kv_heads(tiny_llama):
     assert_same_as_one_process(tiny_llama.gguf_path, 3)  # 2 KV heads over 3 ranks, query heads 1 + 1 + 2
 
 
-def test_packed_weights_keep_int4_shards_and_their_accuracy(tiny_llama):
+def test_packed_weights_keep_their_block_shards_and_their_accuracy(tiny_llama):
     path = tiny_llama.quantized_gguf(Q.Q4_0)
     reference = torch.log_softmax(LLM(path, dtype="float32").logits(TEXT), -1)
 
@@ -138,10 +139,10 @@ def test_packed_weights_keep_int4_shards_and_their_accuracy(tiny_llama):
     one = kl(LLM(path, dtype="auto").logits(TEXT))
     with LLM(path, dtype="auto", tensor_parallel_size=2) as llm:
         layer = llm.model.layers[0]
-        assert isinstance(layer.mlp.down, RowParallelLinear) and isinstance(layer.mlp.down.inner, Int4Linear)
-        assert isinstance(layer.attn.qkv, Int4Linear)
+        assert isinstance(layer.mlp.down, RowParallelLinear) and isinstance(layer.mlp.down.inner, QuantLinear)
+        assert isinstance(layer.attn.qkv, QuantLinear) and layer.attn.qkv.qtypes == [int(Q.Q4_0)] * 3
         two = kl(llm.logits(TEXT))
-    assert two < 2 * one + 1e-4  # bf16 partial sums differ from one process's, but are no less accurate
+    assert two < 2 * one + 1e-4  # partial sums differ from one process's, but are no less accurate
 
 
 def test_smollm2_two_ranks_match_one_process(packaged_model):

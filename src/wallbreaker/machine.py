@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import torch
 
 MIN_STORED_BUFFER_MIB = 256  # smaller buffers partly fit in cache and overstate the bandwidth
@@ -107,30 +108,36 @@ def measure_bandwidth(buffer_mib: int, repeats: int) -> dict[str, Sample]:
     return {"read": Sample.of([nbytes / t for t in read]), "copy": Sample.of([2 * nbytes / t for t in copy])}
 
 
+# Our quantized matmul kernels, by the width of the stored codes: the 4-bit and smaller formats
+# run at the rate of Q4_0, the wider ones (5, 6, 8 bits) at the rate of Q8_0.
+QUANT_KINDS = {"q4": gguf.GGMLQuantizationType.Q4_0, "q8": gguf.GGMLQuantizationType.Q8_0}
+_FOUR_BIT_OR_LESS = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K"}
+
+
+def quant_kind(qtype: int) -> str:
+    return "q4" if gguf.GGMLQuantizationType(qtype).name in _FOUR_BIT_OR_LESS else "q8"
+
+
 def _gemm(kind: str, size: int) -> Callable[[], object]:
-    """One size x size x size matmul as the engine runs it: float GEMMs, and the weight-only int4/int8
-    kernels of the packed path (bfloat16 activations)."""
+    """One size x size x size matmul as the engine runs it: float GEMMs, and our kernels over
+    random GGUF blocks (float32 activations, quantized to 8 bits inside)."""
     g = torch.Generator().manual_seed(0)
     if kind in ("float32", "bfloat16"):
         dtype = getattr(torch, kind)
         a = torch.randn(size, size, generator=g).to(dtype)
         b = torch.randn(size, size, generator=g).to(dtype)
         return lambda: torch.mm(a, b)
-    x = torch.randn(size, size, generator=g).to(torch.bfloat16)
-    if kind == "int4":
-        group = 32
-        codes = torch.randint(0, 16, (size, size), generator=g, dtype=torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        scales_zeros = torch.rand(size // group, size, 2, generator=g).to(torch.bfloat16)
-        return lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
-    if kind == "int8":
-        w = torch.randint(-127, 128, (size, size), generator=g, dtype=torch.int8)
-        scale = torch.rand(size, generator=g).to(torch.bfloat16)
-        return lambda: torch.ops.aten._weight_int8pack_mm(x, w, scale)
+    if kind in QUANT_KINDS:
+        from . import kernels
+        qtype = QUANT_KINDS[kind]
+        w = kernels.pack_rows(torch.from_numpy(gguf.quants.quantize(torch.randn(size, size, generator=g).numpy(),
+                                                                    qtype)), qtype)
+        x = torch.randn(size, size, generator=g)
+        return lambda: kernels.qmatmul(x, [w], [int(qtype)])
     raise ValueError(f"unknown matmul kind {kind!r}")
 
 
-GEMM_KINDS = ("float32", "bfloat16", "int4", "int8")
+GEMM_KINDS = ("float32", "bfloat16", *QUANT_KINDS)
 
 
 def measure_flops(size: int, repeats: int, kinds: tuple[str, ...] = GEMM_KINDS) -> dict[str, Sample]:

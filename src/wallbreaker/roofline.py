@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .layers.linear import Int4Linear, Int8Linear, Linear, module_bytes
+from .layers.linear import Linear, QuantLinear, module_bytes
+from .machine import quant_kind
 from .machine import MachineProfile, load_profile, machine_path
 
 if TYPE_CHECKING:
@@ -112,11 +113,12 @@ def _tensors(module: nn.Module) -> dict[int, torch.Tensor]:
 def _matmul_params(model: nn.Module) -> dict[str, int]:
     params: dict[str, int] = {}
     for m in model.modules():
-        if isinstance(m, Int4Linear):
-            kind, n = "int4", m.in_features * m.out_features
-        elif isinstance(m, Int8Linear):
-            kind, n = "int8", m.in_features * m.out_features
-        elif isinstance(m, Linear):
+        if isinstance(m, QuantLinear):
+            for rows, qtype in zip(m.rows, m.qtypes):
+                kind = quant_kind(qtype)
+                params[kind] = params.get(kind, 0) + rows * m.in_features
+            continue
+        if isinstance(m, Linear):
             kind, n = _FLOAT_KINDS.get(m.weight.dtype, "float32"), m.weight.numel()
         else:
             continue

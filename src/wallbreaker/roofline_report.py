@@ -55,7 +55,7 @@ def machine_lines(profile: MachineProfile) -> list[str]:
              markdown_table(["threads", "read best", "read median", "copy best", "copy median"], rows), ""]
     if profile.flops:
         lines.append(f"Matmul GFLOP/s ({profile.gemm_size}^3, {max(map(int, profile.bandwidth), default=1)} threads; "
-                     "int4/int8: weight-only kernels with bfloat16 activations):")
+                     "q4/q8: our kernels over Q4_0/Q8_0 blocks):")
         lines.append(markdown_table(["kind", "best", "median"],
                                     [[k, s.best / 1e9, s.median / 1e9] for k, s in profile.flops.items()]))
         lines.append("")

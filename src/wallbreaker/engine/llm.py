@@ -85,7 +85,7 @@ class EngineConfig:
 
     @property
     def packed_weights(self) -> bool:
-        """`auto` on the CPU keeps linear weights packed (int4 where stored in 4 bits, else int8)."""
+        """`auto` on the CPU keeps linear weights as GGUF blocks for our kernels (wallbreaker.kernels)."""
         return self.dtype == "auto" and torch.device(self.device).type == "cpu"
 
 

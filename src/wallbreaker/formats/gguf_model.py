@@ -9,11 +9,10 @@ import torch
 
 from ..config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, UnsupportedModelError
-from ..quant.int4 import GGUF_INT4_TYPES, int4_from_gguf
 from .chat_template import ChatTemplate
 from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor, open_gguf
-from .gguf_slice import block_loaders, part_loaders
+from .gguf_slice import block_loaders, part_loader
 from .names import llama_unpermute
 from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef, check_weights
@@ -154,12 +153,6 @@ def _weight_ref(t: GGUFTensor, cfg: ModelConfig) -> WeightRef:
     def load() -> torch.Tensor:
         return rows(dequantize(t.raw, t.ggml_type, t.shape))
 
-    def int4():
-        return int4_from_gguf(t.raw, t.ggml_type, t.shape).map_rows(rows)
-
-    is_int4 = t.ggml_type in GGUF_INT4_TYPES and len(t.shape) == 2
-    load_part, int4_part = part_loaders(t, heads)
     blocks, blocks_part = block_loaders(t, heads)
-    return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), load, int4 if is_int4 else None, t.raw,
-                     load_part=load_part, int4_part=int4_part if is_int4 else None,
-                     blocks=blocks, blocks_part=blocks_part)
+    return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), load, raw=t.raw,
+                     load_part=part_loader(t, heads), blocks=blocks, blocks_part=blocks_part)

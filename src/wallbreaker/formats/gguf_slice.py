@@ -17,22 +17,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..quant.int4 import Int4Groups, int4_from_gguf
 from .dequant import block_info, dequantize
 from .gguf_file import GGUFTensor
 from .names import llama_unpermute
 
-GGUF_INT4_GROUP = 32
-
 PartLoader = Callable[[int, int, int], torch.Tensor]
 
 
-def part_loaders(t: GGUFTensor, heads: int | None) -> tuple[PartLoader | None, Callable | None]:
-    """(load_part, int4_part) for `WeightRef`: (dim, lo, hi) -> float32 canonical slice / its int4
-    groups (None where a column boundary cuts a group)."""
+def part_loader(t: GGUFTensor, heads: int | None) -> PartLoader | None:
+    """`WeightRef.load_part`: (dim, lo, hi) -> the float32 canonical slice."""
     block, size = block_info(t.ggml_type)
     if len(t.shape) > 2 or (len(t.shape) == 1 and block > 1):
-        return None, None
+        return None
     rows_n = t.shape[0]
     grid = t.raw.reshape(rows_n, -1)  # [rows, stored bytes per row]
 
@@ -57,17 +53,7 @@ def part_loaders(t: GGUFTensor, heads: int | None) -> tuple[PartLoader | None, C
             x = x[:, lo - start:hi - start].clone()
         return unpermute(x, 0, rows_n)
 
-    def int4_part(dim: int, lo: int, hi: int) -> Int4Groups | None:
-        if dim == 0:
-            groups = int4_from_gguf(grid[lo:hi], t.ggml_type, (hi - lo, t.shape[1]))
-            return groups.map_rows(lambda x: unpermute(x, lo, hi))
-        if lo % GGUF_INT4_GROUP or hi % GGUF_INT4_GROUP:
-            return None
-        part, start, width = covering(lo, hi)
-        groups = int4_from_gguf(part, t.ggml_type, (rows_n, width)).map_rows(lambda x: unpermute(x, 0, rows_n))
-        return groups.narrow(1, lo - start, hi - start)
-
-    return load_part, int4_part
+    return load_part
 
 
 def _as_tensor(a: np.ndarray) -> torch.Tensor:

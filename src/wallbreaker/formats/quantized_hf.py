@@ -30,7 +30,6 @@ from .names import hf_to_canonical_table
 from .weights import WeightRef
 
 QUANT_METHOD = "wallbreaker"
-_INT4_GROUPS = (32, 64, 128, 256)  # group sizes PyTorch's CPU int4 kernel takes
 MIN_BITS, MAX_BITS = 2, 8  # what QuantGrid and the packing support
 
 
@@ -164,11 +163,5 @@ def _weight_ref(handle, keys: set[str], module: str, name: str, bits: int, group
     def load() -> torch.Tensor:
         return load_quant().dequantize()
 
-    def int4():
-        from ..quant.int4 import Int4Groups
-        q = load_quant()
-        return Int4Groups(q.codes, q.scales, (8 - q.zero_points()) * q.scales, group)
-
-    packable = bits <= 4 and not act and group in _INT4_GROUPS and shape[1] % group == 0
-    return WeightRef(name, shape, stored_type(bits, group, act), nbytes, load, int4=int4 if packable else None,
+    return WeightRef(name, shape, stored_type(bits, group, act), nbytes, load,
                      quant=QuantInfo(bits, group, sym, act, load_quant))

@@ -22,11 +22,9 @@ class WeightRef:
     stored_type: str  # "F32", "BF16", "Q4_1", ...
     nbytes: int  # bytes as stored
     load: Callable[[], torch.Tensor] = field(repr=False)
-    int4: Callable[[], Any] | None = field(default=None, repr=False)  # -> quant.int4.Int4Groups, if 4-bit
     raw: Any = field(default=None, repr=False)  # the stored bytes (GGUF), for kernels that read them
     quant: Any = field(default=None, repr=False)  # formats.quantized_hf.QuantInfo of a wallbreaker-quantized weight
     load_part: Callable[[int, int, int], torch.Tensor] | None = field(default=None, repr=False)  # (dim, lo, hi)
-    int4_part: Callable[[int, int, int], Any] | None = field(default=None, repr=False)  # (dim, lo, hi)
     # The stored GGUF blocks, for the kernels (wallbreaker.kernels): [rows, row bytes] uint8 in the
     # file's block layout and canonical row order; `blocks_part(dim, lo, hi)` those of a row or
     # column range (None where a column bound cuts a block). None: no blocks are stored.
@@ -41,17 +39,6 @@ class WeightRef:
         if self.load_part is not None:
             return self.load_part(dim, lo, hi)
         return self.load().narrow(dim, lo, hi - lo).clone()
-
-    def int4_slice(self, dim: int, lo: int, hi: int) -> Any:
-        """The int4 groups of that slice; None if the tensor is not 4-bit or a column boundary cuts
-        a group (the caller then falls back to int8)."""
-        if self.int4 is None:
-            return None
-        if (lo, hi) == (0, self.shape[dim]):
-            return self.int4()
-        if self.int4_part is not None:
-            return self.int4_part(dim, lo, hi)
-        return self.int4().narrow(dim, lo, hi)
 
 
 @dataclass

@@ -4,9 +4,9 @@ Attention is split by whole heads, KV heads first: a rank holds a run of KV head
 query heads that read them, so grouped-query attention stays uniform on every rank. With fewer KV
 heads than ranks, each KV head is held by several ranks (replicated, as vLLM does) and its query
 heads are divided among them. Splits need not be even (SmolLM2's 3 KV heads over 2 ranks: 2 + 1).
-Everything else is an even split, on 32-column boundaries where possible so that GGUF blocks and
-int4 groups are never cut; the vocabulary is split in equal chunks (the last may be short) so that
-every rank's logits pad to one width for the gather.
+Everything else is an even split, on 32-column boundaries where possible so that the 32-weight GGUF
+blocks are never cut (a cut block is requantized to Q8_0 at load); the vocabulary is split in equal
+chunks (the last may be short) so that every rank's logits pad to one width for the gather.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import InvalidRequestError
 
-ALIGN = 32  # the block of Q4_0/Q4_1/Q5_x/Q8_0 and the int4 group: a boundary here keeps both whole
+ALIGN = 32  # the block of Q4_0/Q4_1/Q5_x/Q8_0: a boundary here keeps the stored blocks whole
 
 
 @dataclass(frozen=True)
