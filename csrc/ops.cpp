@@ -226,18 +226,6 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
   return out;
 }
 
-// The same computation as an operator of the dispatcher: torch.compile traces it through its fake
-// kernel (registered in Python) instead of breaking the graph.
-TORCH_LIBRARY(wallbreaker, m) {
-  m.def("qmatmul(Tensor x, Tensor[] weights, int[] qtypes) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(wallbreaker, CPU, m) {
-  m.impl("qmatmul", [](const at::Tensor& x, at::TensorList weights, c10::IntArrayRef qtypes) {
-    return qmatmul(x, weights.vec(), qtypes.vec());
-  });
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "y = x @ concat(W_i)^T over GGUF blocks", py::arg("x"), py::arg("weights"),
         py::arg("qtypes"));

@@ -114,12 +114,6 @@ def test_mixed_segments_in_one_call_equal_separate_calls(level):
         torch.testing.assert_close(fused, ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
 
 
-def test_dispatcher_op_equals_the_function():
-    raw = kernels.pack_rows(torch.from_numpy(random_blocks(T.Q4_1, 16, 256, seed=1)), T.Q4_1)
-    x = torch.randn(2, 256)
-    assert torch.equal(torch.ops.wallbreaker.qmatmul(x, [raw], [int(T.Q4_1)]), kernels.qmatmul(x, [raw], [T.Q4_1]))
-
-
 def test_bad_arguments_are_clear_errors():
     w = kernels.pack_rows(torch.from_numpy(random_blocks(T.Q4_0, 4, 64, seed=0)), T.Q4_0)
     with pytest.raises(RuntimeError, match="bytes a row"):

@@ -54,7 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens transformers decodes (it is ~10x slower: batch 1, one run)")
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write a bar chart (PNG) here")
-    p.set_defaults(compile=True)  # a benchmark measures the steady state: the one-off compile is in the warm-up
 
 
 # -- engines ---------------------------------------------------------------------------------------
@@ -70,7 +69,7 @@ class Wallbreaker:
         self.llm = LLM(args.model, **options)
         self.ids = lambda n, tag: prompt_ids(self.llm.tokenizer, n, tag)
         self.params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        self.llm.generate([self.ids(32, f"warm-up {name}")], self.params(8))  # compiled graphs were built at load
+        self.llm.generate([self.ids(32, f"warm-up {name}")], self.params(8))
         self.notes = [f"{name}: loaded in {self.llm.load_time_s:.1f} s, dtype {options['dtype']}"]
 
     def measure(self, rep: int) -> dict[str, float | None]:

@@ -46,7 +46,6 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_adaptive: bool = True
     num_threads: int | None = None
-    compile: bool = False  # torch.compile the decode step: faster decoding after a one-off compile
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
 
@@ -68,8 +67,6 @@ class EngineConfig:
             raise InvalidRequestError("num_speculative_tokens must be between 1 and 32")
         if int(self.tensor_parallel_size) < 1:
             raise InvalidRequestError("tensor_parallel_size must be at least 1")
-        if self.compile and int(self.tensor_parallel_size) > 1:
-            raise InvalidRequestError("compile is not supported with tensor_parallel_size > 1")
         if not self.tensor_parallel_timeout_s > 0:
             raise InvalidRequestError("tensor_parallel_timeout_s must be positive")
 
@@ -141,7 +138,7 @@ class LLM:
         if self.config.tensor_parallel_size == 1:
             self.model = load_model(files, self.config, device)
             self.kv_cache = make_kv_cache(files, self.config, num_blocks, device)
-            runner = ModelRunner(self.model, self.kv_cache, device, self.config.compile)
+            runner = ModelRunner(self.model, self.kv_cache, device)
         else:
             runner = self._start_tensor_parallel(files, num_blocks)
             self.model, self.kv_cache = runner.model, runner.kv_cache
@@ -152,18 +149,7 @@ class LLM:
         self.engine = LLMEngine(runner, self.tokenizer, block_manager, scheduler, max_len, eos,
                                 self._speculator(max_len))
         self.weight_bytes_resident = module_bytes(self.model)
-        if self.config.compile:
-            self._compile_decode()
         self.load_time_s = time.perf_counter() - start
-
-    def _compile_decode(self) -> None:
-        """Build the compiled decode graphs now, as vLLM does at start-up, not in the first request:
-        batch 1 crossing a block boundary (context length becomes symbolic), then a batch of 2."""
-        saved = dict(self.engine.counters)
-        bs, few = self.config.kv_block_size, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        self.generate([[1] * (bs - 1)], few, use_tqdm=False)
-        self.generate([[1] * (bs - 1), [2] * (bs - 1)], few, use_tqdm=False)
-        self.engine.counters.update(saved)
 
     def _fit_context(self, max_len: int, pool_tokens: int) -> int:
         """The context one sequence may reach, never more than the KV pool holds: a sequence that
@@ -212,7 +198,7 @@ class LLM:
         if c.speculative_method == "draft":
             draft_llm = LLM(c.speculative_model, dtype=c.dtype, device=c.device, kv_block_size=c.kv_block_size,
                             kv_cache_memory_gb=c.kv_cache_memory_gb, max_num_seqs=c.max_num_seqs,
-                            max_model_len=max_len, enable_prefix_caching=c.enable_prefix_caching, compile=c.compile)
+                            max_model_len=max_len, enable_prefix_caching=c.enable_prefix_caching)
             draft = DraftProposer(draft_llm, self.tokenizer)
         return Speculator(c.speculative_method, c.num_speculative_tokens, max_len, draft, c.speculative_adaptive)
 

@@ -1,13 +1,10 @@
 """Runs one scheduled batch through the model: flat token list in, logits of the sampling rows out."""
 from __future__ import annotations
 
-import os
-import types
 from dataclasses import dataclass
 
 import torch
 
-from ..formats.packaged import cache_dir
 from ..kv import KVCache
 from ..layers.attention import MAX_PAGED_QUERIES, AttentionMetadata, PrefillSpan
 from ..models.llama import CausalLM
@@ -31,14 +28,13 @@ class ModelRunner:
     # (Qwen2.5: 151,936 rows for 151,665 tokens) has rows that no text stands for.
     vocab_limit: int | None = None
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, compile: bool = False):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
-        self.decode_forward = compile_decode(model) if compile else model.forward
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[list[Sequence], torch.Tensor]:
@@ -94,38 +90,9 @@ class ModelRunner:
         """The model over one step's inputs: K/V written into the cache, logits of `step.logit_rows`."""
         self.kv_cache.copy_blocks(step.copies)
         step.meta.block_size = self.kv_cache.block_size
-        forward = self.model.forward if step.meta.prefills else self.decode_forward
-        hidden = forward(step.input_ids, step.meta)
+        hidden = self.model(step.input_ids, step.meta)
         if step.logit_rows is None:
             return self.model.logits(hidden)
         if not len(step.logit_rows):
             return hidden.new_empty(0, self.model.config.vocab_size)
         return self.model.logits(hidden[step.logit_rows])
-
-
-def compile_decode(model: CausalLM):
-    """`model.forward` under torch.compile, for steps that only decode (one token per sequence).
-
-    A decode step is a thousand small ops whose Python and dispatch cost, not the weights' bytes,
-    bounded batch-1 speed; compiled, the elementwise work between the matmuls fuses into a few
-    kernels and one call replaces the layer loop. Prefill stays eager: its matmuls dominate and its
-    shapes vary. Batch size and context length are symbolic, so a model compiles three times (see
-    `LLM._compile_decode`); the artifacts are cached on disk (`TORCHINDUCTOR_CACHE_DIR`, by default
-    in the wallbreaker cache), so a later process mostly reloads them. The graph's wrapper is C++
-    (`cpp_wrapper`), without per-call stride asserts: the Python wrapper's ~600 checks and kernel
-    calls a step cost ~15% of batch-1 speed.
-    """
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    return torch.compile(_own_code(model.forward),
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                                  "cpp_wrapper": True, "size_asserts": False})
-
-
-def _own_code(method):
-    """The bound method over a private copy of its code object. Compiled graphs are cached per code
-    object, and the guards on the modules (hundreds of weight checks, ~0.4 ms a step on one thread)
-    are skipped because a loaded model never changes: with its own code object, a second model in
-    the process can never be handed the first one's graphs."""
-    f = method.__func__
-    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    return types.MethodType(own, method.__self__)

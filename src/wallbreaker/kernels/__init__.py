@@ -18,7 +18,7 @@ from typing import Sequence
 import gguf
 import torch
 
-from .. import _C  # noqa: F401  (loads the extension and registers torch.ops.wallbreaker.qmatmul)
+from .. import _C
 from ..formats.dequant import block_info, dequantize
 
 T = gguf.GGMLQuantizationType
@@ -97,8 +97,3 @@ def qmatmul_reference(x: torch.Tensor, weights: Sequence[torch.Tensor], qtypes: 
     k = x.shape[-1]
     w = torch.cat([dequantize_packed(wi, T(q), k) for wi, q in zip(weights, qtypes)])
     return x.float() @ w.T
-
-
-@torch.library.register_fake("wallbreaker::qmatmul")
-def _qmatmul_fake(x, weights, qtypes):
-    return x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)), dtype=torch.float32)

@@ -53,10 +53,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():  # the dispatcher op, which torch.compile traces
-            y = torch.ops.wallbreaker.qmatmul(flat, self.blocks, self.qtypes)
-        else:  # the pybind11 function: less call overhead (docs/kernels.md)
-            y = qk._C.qmatmul(flat, self.blocks, self.qtypes)
+        y = qk._C.qmatmul(flat, self.blocks, self.qtypes)
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
