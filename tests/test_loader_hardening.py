@@ -537,3 +537,10 @@ def test_a_one_megabyte_token_is_quick():
     assert time.perf_counter() - start < 3.0
     assert tok.vocab_size == len(meta["tokenizer.ggml.tokens"])
     assert tok.encode("abc ab", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("key", ["llama.attention.value_length", "llama.rope.dimension_count"])
+def test_gguf_head_sizes_we_do_not_run(llama_gguf, tmp_path, key):
+    """Unfixed, these keys were ignored: a file with partial RoPE ran with the whole head rotated."""
+    path = llama_gguf.write(tmp_path / "partial.gguf", {key: u32(8)})
+    expect(UnsupportedModelError, path, key, "8", "16")

@@ -84,6 +84,11 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         integer(a + "vocab_size", None) or (len(tokens) if isinstance(tokens, list) else 0))
     # head_dim defaults to hidden / heads where both are usable; else ModelConfig names the bad one
     head_dim = integer(a + "attention.key_length", hidden // heads if heads > 0 and hidden > 0 else heads)
+    for key, what in (("attention.value_length", "a value head size"), ("rope.dimension_count", "partial RoPE")):
+        value = integer(a + key, None)
+        if value is not None and value != head_dim:  # our attention has one head size, rotated whole
+            raise UnsupportedModelError(f"{name}: {what} is not supported: metadata {a}{key} is {value}, "
+                                        f"{a}attention.key_length {head_dim}")
     scaling = 1.0
     if gf.get(a + "rope.scaling.type") == "linear":
         scaling = number(a + "rope.scaling.factor", 1.0)
