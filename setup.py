@@ -19,7 +19,10 @@ setup(
             ["csrc/ops.cpp", "csrc/kernels_generic.cpp", "csrc/kernels_avx2.cpp", "csrc/kernels_avx512.cpp",
              "csrc/attention_ops.cpp", "csrc/attention_generic.cpp", "csrc/attention_avx2.cpp",
              "csrc/fused_ops.cpp"],
-            extra_compile_args=["-O3", "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized"],
+            # -fopenmp: at::parallel_for is a header template over OpenMP pragmas, serial without it
+            # (the process's one libgomp is torch's own, found by its soname)
+            extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized"],
+            extra_link_args=["-fopenmp"],
             depends=["csrc/qkernels.h", "csrc/qblocks.inc", "csrc/tile_driver.inc", "csrc/kscales_avx2.inc",
                      "csrc/attention.h", "csrc/attention_impl.inc", "csrc/fp8.h"],
         )
