@@ -104,8 +104,9 @@ PromptType = str | list[int] | dict  # dict: {"prompt": str} or {"prompt_token_i
 
 def _raise_step_failure(failures: list, num_requests: int) -> None:
     first = failures[0]
+    detail = " ".join(str(first.error).split())[:300]  # one line, whatever the error's own text
     raise EngineError(f"{len(failures)} of {num_requests} requests failed in a model step (error id "
-                      f"{first.error_id}): {type(first.error).__name__}: {first.error}") from first.error
+                      f"{first.error_id}): {type(first.error).__name__}: {detail}") from first.error
 
 
 def _cache_salt(prompt: PromptType) -> str | None:
