@@ -24,7 +24,7 @@ import torch
 
 from wallbreaker import kernels
 from wallbreaker.formats.dequant import block_info
-from wallbreaker.machine import measure_bandwidth
+from wallbreaker.measure.machine import measure_bandwidth
 
 T = gguf.GGMLQuantizationType
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]

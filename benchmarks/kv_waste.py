@@ -30,9 +30,9 @@ from wallbreaker.engine.llm_engine import LLMEngine
 from wallbreaker.engine.scheduler import Scheduler
 from wallbreaker.formats import open_model, resolve_model_path
 from wallbreaker.kv import BlockManager, BlockPool
-from wallbreaker.reporting import markdown_table, write_json
+from wallbreaker.measure.reporting import markdown_table, write_json
 from wallbreaker.sampling_params import SamplingParams
-from wallbreaker.workload import prompt_ids
+from wallbreaker.measure.workload import prompt_ids
 
 RESULTS = Path(__file__).parent / "results"
 ALLOCATIONS = ("paged (wallbreaker)", "contiguous, max_model_len each", "contiguous, prompt + max_tokens each")

@@ -38,7 +38,7 @@ def child(engine: str, model: str, dtype: str) -> dict:
         seconds = time.perf_counter() - start
         kv_mib = llm.kv_cache.nbytes / 2**20
     else:
-        from wallbreaker.baselines import transformers_hf
+        from wallbreaker.measure.baselines import transformers_hf
         import transformers  # noqa: F401
         base = _peak_mib()
         _, seconds = transformers_hf.load(path)
@@ -62,7 +62,7 @@ def measure(engine: str, model: str, dtype: str, timeout: float) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    from wallbreaker.reporting import bar_plot
+    from wallbreaker.measure.reporting import bar_plot
     ok = [r for r in rows if "error" not in r]
     groups: dict[str, dict[str, float | None]] = {}
     for r in ok:
@@ -88,7 +88,7 @@ def main() -> None:
         return
 
     from wallbreaker.formats.packaged import PACKAGED_MODELS, is_installed
-    from wallbreaker.reporting import markdown_table, write_json
+    from wallbreaker.measure.reporting import markdown_table, write_json
     models = args.models.split(",") if args.models else [a for a in PACKAGED_MODELS if is_installed(a)]
     skipped = [a for a in PACKAGED_MODELS if not args.models and a not in models]
     rows = []

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from wallbreaker import LLM  # noqa: E402
 from wallbreaker.formats.packaged import cache_dir  # noqa: E402
-from wallbreaker.perplexity import perplexity  # noqa: E402
+from wallbreaker.measure.perplexity import perplexity  # noqa: E402
 from wallbreaker.quant.pipeline import QuantizeConfig  # noqa: E402
 from wallbreaker.quant.run import quantize_to  # noqa: E402
 

@@ -31,7 +31,7 @@ from typing import Any
 from wallbreaker import LLM, SamplingParams
 from wallbreaker.formats import resolve_model_path
 from wallbreaker.formats.packaged import PACKAGED_MODELS, is_installed
-from wallbreaker.reporting import bar_plot, markdown_table, median, write_json
+from wallbreaker.measure.reporting import bar_plot, markdown_table, median, write_json
 
 RESULTS = Path(__file__).parent / "results"
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -125,7 +125,7 @@ def run_variant(case: Case, variant: str, options: dict, common: dict) -> Varian
 
 
 def llama_cpp_rows(case: Case, args: argparse.Namespace, threads: int) -> list[dict]:
-    from wallbreaker.baselines.llama_cpp import LlamaCpp, LlamaCppError
+    from wallbreaker.measure.baselines.llama_cpp import LlamaCpp, LlamaCppError
     tool = LlamaCpp(args.llama_cpp_dir, threads)
     if not (tool.available("llama-speculative") and tool.available("llama-bench")):
         print("llama.cpp tools not found: skipping llama-speculative (give --llama-cpp-dir)", file=sys.stderr)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from wallbreaker import LLM, SamplingParams
 from wallbreaker.formats import resolve_model_path
-from wallbreaker.reporting import markdown_table, median, percentile, write_json
-from wallbreaker.roofline import decode_bound_tokens_per_s
-from wallbreaker.workload import mixed_lengths, prompt_ids
+from wallbreaker.measure.reporting import markdown_table, median, percentile, write_json
+from wallbreaker.measure.roofline import decode_bound_tokens_per_s
+from wallbreaker.measure.workload import mixed_lengths, prompt_ids
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -13,7 +13,7 @@ from tiny_models import TinyModel
 from wallbreaker import LLM
 from wallbreaker.cli import main
 from wallbreaker.errors import InvalidRequestError
-from wallbreaker.perplexity import perplexity, token_windows
+from wallbreaker.measure.perplexity import perplexity, token_windows
 
 TEXT = (Path(__file__).parent / "tiny_models.py").read_text()[:6000]
 CTX = 64

@@ -12,8 +12,8 @@ import torch
 
 from wallbreaker import LLM
 from wallbreaker.layers.linear import module_bytes
-from wallbreaker.machine import MachineProfile, Sample, load_profile, measure, store_profile
-from wallbreaker.roofline import decode_cost_of, decode_bound_tokens_per_s, llm_cost, roofline_fraction
+from wallbreaker.measure.machine import MachineProfile, Sample, load_profile, measure, store_profile
+from wallbreaker.measure.roofline import decode_cost_of, decode_bound_tokens_per_s, llm_cost, roofline_fraction
 
 BANDWIDTH = 27e9
 FLOPS = {"float32": 1.5e11, "bfloat16": 4e11, "q4": 2e11, "q8": 2e11}
@@ -143,7 +143,7 @@ def test_bench_smoke_run_writes_json_and_a_plot(tiny_llama, cache):
 
 
 def test_llama_speculative_summary_is_parsed():
-    from wallbreaker.baselines.llama_cpp import parse_speculative
+    from wallbreaker.measure.baselines.llama_cpp import parse_speculative
     log = ("encoded    9 tokens in    0.412 seconds, speed:   21.845 t/s\n"
            "decoded  130 tokens in    7.101 seconds, speed:   18.307 t/s\n\n"
            "n_draft   = 3\nn_predict = 130\nn_drafted = 99\nn_accept  = 96\naccept    = 96.970%\n")

@@ -133,26 +133,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 @command("inspect")
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect import describe
+    from .measure.inspect_model import describe
     print(describe(args.model_path, json_output=args.json))
     return 0
 
 
 @command("roofline")
 def cmd_roofline(args: argparse.Namespace) -> int:
-    from .roofline_report import run
+    from .measure.roofline_report import run
     return run(args)
 
 
 @command("bench")
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run
+    from .measure.bench import run
     return run(args)
 
 
 @command("perplexity")
 def cmd_perplexity(args: argparse.Namespace) -> int:
-    from .perplexity import perplexity
+    from .measure.perplexity import perplexity
     try:
         text = open(args.file, encoding="utf-8").read()
     except OSError as e:
@@ -264,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="a .gguf file, a Hugging Face folder, or a packaged model name")
     p.add_argument("out", help="OUT.gguf (Q4_0, Q4_1, Q8_0) or a folder")
 
-    from .bench import add_arguments as add_bench_arguments
-    from .roofline_report import add_arguments as add_roofline_arguments
+    from .measure.bench import add_arguments as add_bench_arguments
+    from .measure.roofline_report import add_arguments as add_roofline_arguments
     p = sub.add_parser("bench", help="latency and throughput beside llama.cpp and transformers; JSON and a plot")
     add_engine_flags(p)
     add_bench_arguments(p)

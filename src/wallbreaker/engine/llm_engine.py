@@ -13,7 +13,7 @@ from ..errors import EngineError, InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..kv import BlockManager
 from ..layers.sampler import processed_probs, sample, top_logprobs
-from ..roofline import roofline_fraction
+from ..measure.roofline import roofline_fraction
 from ..spec.rejection import verify
 from ..spec.speculator import Speculator
 from ..sampling_params import SamplingParams

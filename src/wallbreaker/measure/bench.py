@@ -61,8 +61,8 @@ class Wallbreaker:
     """The engine under test; with speculation, only its batch-1 decode is measured."""
 
     def __init__(self, args: argparse.Namespace, options: dict, name: str):
-        from .engine.llm import LLM
-        from .sampling_params import SamplingParams
+        from ..engine.llm import LLM
+        from ..sampling_params import SamplingParams
         from .workload import prompt_ids
         self.args, self.name, self.max_runs = args, name, args.runs
         self.spec = bool(options.get("speculative_method"))
@@ -123,7 +123,7 @@ class LlamaCppBaseline:
                       "random tokens; its roofline fraction counts the stored GGUF bytes and an f16 KV cache"]
 
     def measure(self, rep: int) -> dict[str, float | None]:
-        from .formats import open_model
+        from ..formats import open_model
         from .roofline import stored_bandwidth, stored_decode_bytes
         a = self.args
         b = self.tool.bench(self.model_path, a.prefill_tokens, a.decode_tokens)
@@ -180,8 +180,8 @@ class TransformersBaseline:
 
 # -- the run ---------------------------------------------------------------------------------------
 def _engines(args: argparse.Namespace, threads: int) -> tuple[list[Any], list[str]]:
-    from .cli import engine_options
-    from .formats import resolve_model_path
+    from ..cli import engine_options
+    from ..formats import resolve_model_path
     options = engine_options(args)
     options["num_threads"] = threads
     spec = options.get("speculative_method")
@@ -192,7 +192,7 @@ def _engines(args: argparse.Namespace, threads: int) -> tuple[list[Any], list[st
     wanted = {b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"}
     unknown = wanted - {"transformers", "llama.cpp"}
     if unknown:
-        from .errors import InvalidRequestError
+        from ..errors import InvalidRequestError
         raise InvalidRequestError(f"unknown baseline(s) {', '.join(sorted(unknown))}; choose transformers, llama.cpp or none")
     path = resolve_model_path(args.model)
     if "llama.cpp" in wanted:
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
 
 def summarize(samples: dict[str, dict[str, list[float]]], args: argparse.Namespace, threads: int,
               notes: list[str]) -> dict:
-    from .formats import resolve_model_path
+    from ..formats import resolve_model_path
     from .roofline import stored_bandwidth
     metrics = list(dict.fromkeys(k for per in samples.values() for k in per))
     medians = {e: {k: median(v) for k, v in per.items()} for e, per in samples.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from .formats import open_model
+from ..formats import open_model
 from .roofline import stored_bandwidth, stored_decode_bytes
 
 BOUND_BATCHES = (1, 8, 64)
@@ -62,7 +62,7 @@ def describe(model: str | None, json_output: bool = False) -> str:
 
 def _bounds(files, bandwidth: float) -> dict:
     """Memory-bound decode tokens/s with the KV cache in the dtype the default (`auto`) path keeps it in."""
-    from .engine.llm import EngineConfig
+    from ..engine.llm import EngineConfig
     kv_dtype = getattr(EngineConfig(), "kv_cache_dtype", EngineConfig().torch_dtype)
     out: dict = {"bandwidth_gb_per_s": bandwidth / 1e9, "kv_dtype": str(kv_dtype).removeprefix("torch.")}
     for batch in BOUND_BATCHES:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 SCORES = ("half", "all")
 

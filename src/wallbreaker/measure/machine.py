@@ -66,7 +66,7 @@ class MachineProfile:
 
 
 def machine_path() -> Path:
-    from .formats.packaged import cache_dir
+    from ..formats.packaged import cache_dir
     return cache_dir() / "machine.json"
 
 
@@ -128,7 +128,7 @@ def _gemm(kind: str, size: int) -> Callable[[], object]:
         b = torch.randn(size, size, generator=g).to(dtype)
         return lambda: torch.mm(a, b)
     if kind in QUANT_KINDS:
-        from . import kernels
+        from .. import kernels
         qtype = QUANT_KINDS[kind]
         w = kernels.pack_rows(torch.from_numpy(gguf.quants.quantize(torch.randn(size, size, generator=g).numpy(),
                                                                     qtype)), qtype)

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .layers.linear import Linear, QuantLinear, module_bytes
+from ..layers.linear import Linear, QuantLinear, module_bytes
 from .machine import quant_kind
 from .machine import MachineProfile, load_profile, machine_path
 
 if TYPE_CHECKING:
-    from .config import ModelConfig
-    from .formats.weights import ModelFiles
+    from ..config import ModelConfig
+    from ..formats.weights import ModelFiles
 
 _FLOAT_KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "bfloat16"}
 

@@ -35,7 +35,7 @@ def _profile(args: argparse.Namespace, threads: int) -> tuple[MachineProfile, st
     if args.no_measure:
         profile = machine_profile()
         if profile is None:
-            from .errors import WallbreakerError
+            from ..errors import WallbreakerError
             raise WallbreakerError("no stored machine profile; run `wallbreaker roofline` without --no-measure first")
         return profile, f"stored, measured {profile.measured_at}"
     print(f"measuring bandwidth over {args.buffer_mib} MiB at 1 and {threads} threads, "
@@ -92,8 +92,8 @@ def cost_lines(cost: DecodeCost, bandwidth: float, flops: dict[str, float] | Non
 
 
 def real_run(args: argparse.Namespace, threads: int) -> tuple[Any, dict]:
-    from .cli import load_llm
-    from .sampling_params import SamplingParams
+    from ..cli import load_llm
+    from ..sampling_params import SamplingParams
     from .workload import prompt_ids
     if not args.num_threads:
         args.num_threads = threads
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         args.decode_tokens = 0
     llm, measured = real_run(args, threads) if args.decode_tokens else (None, None)
     if llm is None:
-        from .cli import load_llm
+        from ..cli import load_llm
         llm = load_llm(args)
     cost = llm_cost(llm)
     kv_dtype = str(llm.kv_cache.tensor.dtype).removeprefix("torch.")
