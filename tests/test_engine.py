@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from wallbreaker import LLM, InvalidRequestError, SamplingParams
+from wallbreaker.kv.cache import bytes_per_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -55,7 +56,7 @@ def test_preemption_under_a_tiny_pool_loses_and_corrupts_nothing(model_dir):
     reference = make_llm(model_dir, kv_block_size=4)
     prompts = prompts_of_mixed_lengths(reference, 16, seed=1)
     expected = alone(reference, prompts, GREEDY)
-    tiny_pool = make_llm(model_dir, kv_block_size=4, kv_cache_memory_gb=64 * 4 * reference.model_config.kv_bytes_per_token / 2**30)
+    tiny_pool = make_llm(model_dir, kv_block_size=4, kv_cache_memory_gb=64 * bytes_per_block(reference.model_config, 4, torch.float32) / 2**30)
     outs = tiny_pool.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert tiny_pool.stats()["num_preemptions"] > 0
     assert [o.outputs[0].token_ids for o in outs] == expected

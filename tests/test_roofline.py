@@ -13,7 +13,7 @@ import torch
 from wallbreaker import LLM
 from wallbreaker.layers.linear import module_bytes
 from wallbreaker.measure.machine import MachineProfile, Sample, load_profile, measure, store_profile
-from wallbreaker.measure.roofline import decode_cost_of, decode_bound_tokens_per_s, llm_cost, roofline_fraction
+from wallbreaker.measure.roofline import decode_bound_tokens_per_s, decode_cost_of, llm_cost, request_roofline_fraction
 
 BANDWIDTH = 27e9
 FLOPS = {"float32": 1.5e11, "bfloat16": 4e11, "q4": 2e11, "q8": 2e11}
@@ -83,13 +83,13 @@ def test_the_bound_grows_with_batch_and_falls_with_context(tiny_llama):
 def test_roofline_fraction_needs_a_stored_bandwidth(tiny_llama, cache):
     llm = LLM(str(tiny_llama.gguf_path), max_num_seqs=2)
     metrics = {"num_prompt_tokens": 10, "num_generated_tokens": 20, "decode_tokens_per_s": 50.0}
-    assert roofline_fraction(llm.model, llm.kv_cache, metrics) is None
+    assert request_roofline_fraction(llm, metrics) is None
     assert decode_bound_tokens_per_s(llm, 1, 20) is None
     stored()
     bound = decode_bound_tokens_per_s(llm, 1, 20)
     assert bound == pytest.approx(llm_cost(llm).bound(BANDWIDTH, FLOPS, 1, 20))
-    assert roofline_fraction(llm.model, llm.kv_cache, metrics) == pytest.approx(50.0 / bound)
-    assert roofline_fraction(llm.model, llm.kv_cache, {**metrics, "decode_tokens_per_s": 0.0}) is None
+    assert request_roofline_fraction(llm, metrics) == pytest.approx(50.0 / bound)
+    assert request_roofline_fraction(llm, {**metrics, "decode_tokens_per_s": 0.0}) is None
 
 
 def test_machine_profile_round_trips_through_its_json(cache):

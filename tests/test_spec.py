@@ -11,6 +11,7 @@ import torch
 
 from tiny_models import make_tiny_model
 from wallbreaker import LLM, InvalidRequestError, SamplingParams
+from wallbreaker.kv.cache import bytes_per_block
 from wallbreaker.spec import rejection
 from wallbreaker.spec.ngram import propose_ngram
 
@@ -84,7 +85,7 @@ def test_max_tokens_and_stop_strings_inside_an_accepted_run(target):
 
 def test_speculation_survives_preemption_and_n_greater_than_one(target, plain_greedy):
     cfg = llm(target).model_config
-    tiny_pool = llm(target, kv_block_size=4, kv_cache_memory_gb=48 * 4 * cfg.kv_bytes_per_token / 2**30,
+    tiny_pool = llm(target, kv_block_size=4, kv_cache_memory_gb=48 * bytes_per_block(cfg, 4, torch.float32) / 2**30,
                     speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
     assert [o.outputs[0].token_ids for o in tiny_pool.generate(prompts(), GREEDY)] == plain_greedy
     assert tiny_pool.stats()["num_preemptions"] > 0 and tiny_pool.stats()["kv_blocks_used"] == 0

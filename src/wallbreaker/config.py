@@ -139,8 +139,3 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies across all layers, in float32."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4

@@ -13,7 +13,6 @@ from ..errors import EngineError, InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..kv import BlockManager
 from ..layers.sampler import processed_probs, sample, top_logprobs
-from ..measure.roofline import roofline_fraction
 from ..spec.rejection import verify
 from ..spec.speculator import Speculator
 from ..sampling_params import SamplingParams
@@ -367,9 +366,6 @@ class LLMEngine:
             metrics["e2e_s"] = last - request.arrival_time
             decode_tokens = generated - len(seqs)
             metrics["decode_tokens_per_s"] = decode_tokens / (last - first) if last > first and decode_tokens > 0 else 0.0
-        fraction = roofline_fraction(self.runner.model, self.runner.kv_cache, metrics)
-        if fraction is not None:
-            metrics["roofline_fraction"] = fraction
         return metrics
 
     def live_stats(self) -> dict:

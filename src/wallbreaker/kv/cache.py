@@ -40,8 +40,25 @@ class KVCache:
 DEFAULT_MAX_GB = 2.0  # zeroed at start: about half a second
 
 
+def scale_bytes(dtype: torch.dtype) -> int:
+    """Bytes of scale stored beside one head's K (or V) at one position: none in a float cache. The
+    int8 / fp8 cache, one float32 scale per token and head (what the paged kernel reads), adds 4 here."""
+    return 0
+
+
+def kv_bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token position in one layer, as a cache of `dtype` stores them: the one KV-bytes
+    formula, which the pool's size, the roofline's reads and `inspect` all count from."""
+    return 2 * config.num_kv_heads * (config.head_dim * dtype.itemsize + scale_bytes(dtype))
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token across all layers (every layer stores every position, sliding or not)."""
+    return config.num_layers * kv_bytes_per_position(config, dtype)
+
+
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    return block_size * kv_bytes_per_token(config, dtype)
 
 
 def default_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, memory_gb: float | None,

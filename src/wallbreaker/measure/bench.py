@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from ..formats import open_model
 from .reporting import bar_plot, markdown_table, median, write_json
+from .roofline import model_cost, request_roofline_fraction, roofline_fraction, stored_bandwidth, stored_decode_cost
 
 LABELS = {  # metric key -> (label, unit, higher is better)
     "prefill_tps": ("prefill tokens/s", "tokens/s", True),
@@ -80,7 +82,7 @@ class Wallbreaker:
             out["ttft_ms"] = m["ttft_s"] * 1000
         m = self.llm.generate([self.ids(a.decode_prompt_tokens, f"decode {rep}")], self.params(a.decode_tokens))[0].metrics
         out["decode_tps"] = m["decode_tokens_per_s"]
-        out["roofline_fraction"] = _fraction(self.llm, m["decode_tokens_per_s"], a.decode_prompt_tokens + a.decode_tokens // 2)
+        out["roofline_fraction"] = request_roofline_fraction(self.llm, m)
         if self.spec:
             out["spec_acceptance_rate"] = m.get("spec_acceptance_rate", 0.0)
             return out
@@ -105,12 +107,6 @@ def _concurrency(args: argparse.Namespace) -> list[int]:
     return [int(c) for c in str(args.concurrency).split(",") if c.strip()]
 
 
-def _fraction(llm: Any, tokens_per_s: float, context: int) -> float | None:
-    from .roofline import decode_bound_tokens_per_s
-    bound = decode_bound_tokens_per_s(llm, 1, context)
-    return tokens_per_s / bound if bound and tokens_per_s else None
-
-
 class LlamaCppBaseline:
     name = "llama.cpp"
 
@@ -118,23 +114,18 @@ class LlamaCppBaseline:
         from .baselines.llama_cpp import LlamaCpp
         self.args, self.model_path, self.max_runs = args, model_path, args.runs
         self.tool = LlamaCpp(args.llama_cpp_dir, threads)
-        self.files = None
+        self.cost = stored_decode_cost(open_model(model_path), torch.float16)  # its GGUF as stored, an f16 KV cache
         self.notes = ["llama.cpp: TTFT is derived (prefill tokens / pp tokens/s); tg and batched-bench use "
                       "random tokens; its roofline fraction counts the stored GGUF bytes and an f16 KV cache"]
 
     def measure(self, rep: int) -> dict[str, float | None]:
-        from ..formats import open_model
-        from .roofline import stored_bandwidth, stored_decode_bytes
         a = self.args
         b = self.tool.bench(self.model_path, a.prefill_tokens, a.decode_tokens)
         out: dict[str, float | None] = {"prefill_tps": b.get("prefill_tokens_per_s"),
                                         "decode_tps": b.get("decode_tokens_per_s")}
         out["ttft_ms"] = 1000 * a.prefill_tokens / out["prefill_tps"] if out["prefill_tps"] else None
-        bandwidth = stored_bandwidth(self.tool.threads)
-        if bandwidth and out["decode_tps"]:
-            self.files = self.files or open_model(self.model_path)
-            step = stored_decode_bytes(self.files, 1, a.decode_tokens // 2, kv_itemsize=2)
-            out["roofline_fraction"] = out["decode_tps"] / (bandwidth / step)
+        out["roofline_fraction"] = roofline_fraction(out["decode_tps"], self.cost, a.decode_tokens // 2,
+                                                     stored_bandwidth(self.tool.threads))
         conc = _concurrency(a)
         if conc:
             rows = self.tool.batched_bench(self.model_path, a.concurrent_prompt_tokens, a.concurrent_tokens, conc)
@@ -156,6 +147,9 @@ class TransformersBaseline:
         self.hf = transformers_hf
         self.args, self.threads = args, threads
         self.model, load_s = transformers_hf.load(model_path)
+        # float32 weights, read whole every step (its table too), and a float32 KV cache
+        self.cost = model_cost(open_model(model_path).config, transformers_hf.weight_bytes(self.model), 0,
+                               torch.float32)
         self.ids = lambda n, tag: prompt_ids(tokenizer, n, tag)
         self.hf.timed_generate(self.model, self.ids(16, "warm-up hf"), 2)
         self.notes = [f"transformers: float32 (dequantized), loaded in {load_s:.1f} s; batch 1 only, one run, "
@@ -167,14 +161,9 @@ class TransformersBaseline:
         g = self.hf.timed_generate(self.model, self.ids(a.decode_prompt_tokens, f"decode {rep}"), a.hf_tokens)
         out: dict[str, float | None] = {"prefill_tps": a.prefill_tokens / seconds, "ttft_ms": seconds * 1000,
                                         "decode_tps": g["decode_tokens_per_s"]}
-        from .roofline import stored_bandwidth
-        bandwidth = stored_bandwidth(self.threads)
-        if bandwidth:
-            cfg = self.model.config
-            kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
-                getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads) * 4
-            step = self.hf.weight_bytes(self.model) + kv * (a.decode_prompt_tokens + a.hf_tokens // 2)
-            out["roofline_fraction"] = g["decode_tokens_per_s"] / (bandwidth / step)
+        out["roofline_fraction"] = roofline_fraction(g["decode_tokens_per_s"], self.cost,
+                                                     a.decode_prompt_tokens + a.hf_tokens // 2,
+                                                     stored_bandwidth(self.threads))
         return out
 
 
@@ -248,7 +237,6 @@ def run(args: argparse.Namespace) -> int:
 def summarize(samples: dict[str, dict[str, list[float]]], args: argparse.Namespace, threads: int,
               notes: list[str]) -> dict:
     from ..formats import resolve_model_path
-    from .roofline import stored_bandwidth
     metrics = list(dict.fromkeys(k for per in samples.values() for k in per))
     medians = {e: {k: median(v) for k, v in per.items()} for e, per in samples.items()}
     ours = medians.get("wallbreaker", {})

@@ -4,8 +4,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import torch
+
 from ..formats import open_model
-from .roofline import stored_bandwidth, stored_decode_bytes
+from ..kv.cache import kv_bytes_per_token
+from .roofline import stored_bandwidth, stored_decode_cost
 
 BOUND_BATCHES = (1, 8, 64)
 BOUND_CONTEXTS = (128, 1024, 4096)
@@ -20,7 +23,8 @@ def describe(model: str | None, json_output: bool = False) -> str:
         by_type[w.stored_type] += 1
         bytes_by_type[w.stored_type] += w.nbytes
     weight_bytes = files.weight_bytes
-    kv_f32 = cfg.kv_bytes_per_token
+    kv_f32 = kv_bytes_per_token(cfg, torch.float32)
+    stored = stored_decode_cost(files, torch.float32)
     info = {
         "path": str(files.path), "format": files.format, "architecture": cfg.architecture,
         "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "heads": cfg.num_heads,
@@ -30,7 +34,7 @@ def describe(model: str | None, json_output: bool = False) -> str:
         "tensors": len(files.weights), "tensor_types": dict(by_type),
         "tensor_bytes_by_type": dict(bytes_by_type), "weight_bytes_stored": weight_bytes,
         "kv_bytes_per_token_float32": kv_f32,
-        "bytes_read_per_decoded_token": {f"context {n}": stored_decode_bytes(files, 1, n) for n in (1, 512, 4096)},
+        "bytes_read_per_decoded_token": {f"context {n}": stored.bytes_per_step(1, n) for n in (1, 512, 4096)},
     }
     bandwidth = stored_bandwidth()
     if bandwidth:
@@ -63,9 +67,9 @@ def describe(model: str | None, json_output: bool = False) -> str:
 def _bounds(files, bandwidth: float) -> dict:
     """Memory-bound decode tokens/s with the KV cache in the dtype the default (`auto`) path keeps it in."""
     from ..engine.llm import EngineConfig
-    kv_dtype = getattr(EngineConfig(), "kv_cache_dtype", EngineConfig().torch_dtype)
+    kv_dtype = EngineConfig().kv_cache_dtype
+    cost = stored_decode_cost(files, kv_dtype)
     out: dict = {"bandwidth_gb_per_s": bandwidth / 1e9, "kv_dtype": str(kv_dtype).removeprefix("torch.")}
     for batch in BOUND_BATCHES:
-        out[f"batch {batch}"] = {f"context {c}": batch * bandwidth / stored_decode_bytes(files, batch, c, kv_dtype.itemsize)
-                                 for c in BOUND_CONTEXTS}
+        out[f"batch {batch}"] = {f"context {c}": cost.memory_bound(bandwidth, batch, c) for c in BOUND_CONTEXTS}
     return out

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..kv.cache import kv_bytes_per_position
 from ..layers.linear import Linear, QuantLinear, module_bytes
-from .machine import quant_kind
-from .machine import MachineProfile, load_profile, machine_path
+from .machine import MachineProfile, load_profile, machine_path, quant_kind
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -126,21 +126,28 @@ def _matmul_params(model: nn.Module) -> dict[str, int]:
     return params
 
 
-def decode_cost_of(model: nn.Module, kv_dtype: torch.dtype) -> DecodeCost:
-    cfg: ModelConfig = model.config
-    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
-    head_tensors = _tensors(head) if head is not None else {}
-    gathered = [t for ptr, t in _tensors(embed).items() if ptr not in head_tensors] if embed is not None else []
-    gathered_bytes = sum(t.numel() * t.element_size() for t in gathered)
+def model_cost(cfg: "ModelConfig", weight_bytes: int, table_bytes: int, kv_dtype: torch.dtype,
+               matmul_params: dict[str, int] | None = None) -> DecodeCost:
+    """The cost of a decode step of a model of `cfg` whose weights take `weight_bytes`, of which
+    `table_bytes` are an embedding table read by rows (0: none, or a tied table read whole as the head)."""
     return DecodeCost(
-        weight_bytes=module_bytes(model) - gathered_bytes,
-        row_bytes=gathered_bytes // cfg.vocab_size,
-        kv_bytes_per_layer_position=2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize,
+        weight_bytes=weight_bytes - table_bytes,
+        row_bytes=table_bytes // cfg.vocab_size,
+        kv_bytes_per_layer_position=kv_bytes_per_position(cfg, kv_dtype),
         layer_windows=layer_windows(cfg),
-        matmul_params=_matmul_params(model),
+        matmul_params=matmul_params or {},
         attn_flops_per_layer_position=4 * cfg.num_heads * cfg.head_dim,
         attn_kind=_FLOAT_KINDS.get(kv_dtype, "float32"),
     )
+
+
+def decode_cost_of(model: nn.Module, kv_dtype: torch.dtype) -> DecodeCost:
+    """A built model's: its weights in their resident form."""
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    head_tensors = _tensors(head) if head is not None else {}
+    gathered = [t for ptr, t in _tensors(embed).items() if ptr not in head_tensors] if embed is not None else []
+    table_bytes = sum(t.numel() * t.element_size() for t in gathered)
+    return model_cost(model.config, module_bytes(model), table_bytes, kv_dtype, _matmul_params(model))
 
 
 _COSTS: "weakref.WeakKeyDictionary[nn.Module, dict[torch.dtype, DecodeCost]]" = weakref.WeakKeyDictionary()
@@ -158,15 +165,13 @@ def llm_cost(llm: Any) -> DecodeCost:
     return decode_cost(llm.model, llm.kv_cache.tensor.dtype)
 
 
-def stored_decode_bytes(files: "ModelFiles", batch: int, context: int, kv_itemsize: int = 4) -> int:
-    """Bytes per decode step with the weights in their stored (file) form, for `inspect`, which builds
-    no model: every tensor once, except an untied embedding table, of which only `batch` rows."""
+def stored_decode_cost(files: "ModelFiles", kv_dtype: torch.dtype) -> DecodeCost:
+    """The cost with the weights in their stored (file) form, for `inspect` and llama.cpp, which build
+    no model of ours (memory only: no matmul kinds, so no compute bound)."""
     cfg = files.config
     table = files.weights.get("token_embd.weight")
     untied = table.nbytes if table is not None and not cfg.tie_word_embeddings else 0
-    row = untied // cfg.vocab_size
-    kv = 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize * attended_positions(layer_windows(cfg), context)
-    return files.weight_bytes - untied + batch * (row + kv)
+    return model_cost(cfg, files.weight_bytes, untied, kv_dtype)
 
 
 # -- the stored machine profile --------------------------------------------------------------------
@@ -206,17 +211,23 @@ def decode_bound_tokens_per_s(llm: Any, batch: int = 1, context: int = 1,
     return llm_cost(llm).bound(bandwidth, stored_flops(), batch, context)
 
 
-def roofline_fraction(model: nn.Module, kv_cache: Any, metrics: dict) -> float | None:
-    """A request's decode tokens/s as a fraction of the batch-1 bound at its mean decode context.
+def roofline_fraction(tokens_per_s: float | None, cost: DecodeCost, context: int, bandwidth: float | None,
+                      flops: dict[str, float] | None = None, batch: int = 1) -> float | None:
+    """Decode tokens/s as a fraction of the bound at `batch` and (mean) `context`: the one roofline
+    fraction, for every engine `bench` runs, `roofline` and a request's metrics. Without `flops` the
+    bound is the memory bound alone. None when there is no bandwidth or nothing was decoded."""
+    if not tokens_per_s or not bandwidth:
+        return None
+    return tokens_per_s / cost.bound(bandwidth, flops, batch, context)
 
-    For the engine's request metrics: None when no bandwidth is stored or nothing was decoded. A
-    request that shared its steps with others is measured against running alone, so under load
+
+def request_roofline_fraction(llm: Any, metrics: dict) -> float | None:
+    """A request's decode tokens/s (its `metrics`) as a fraction of the batch-1 bound at its mean decode
+    context, against the stored machine profile. Computed when asked, never on the engine's path.
+
+    A request that shared its steps with others is measured against running alone, so under load
     the fraction shows what each request got, not what the machine did.
     """
-    rate = metrics.get("decode_tokens_per_s")
-    bandwidth = stored_bandwidth()
-    if not rate or bandwidth is None:
-        return None
     context = int(metrics.get("num_prompt_tokens", 0) + metrics.get("num_generated_tokens", 0) / 2) or 1
-    bound = decode_cost(model, kv_cache.tensor.dtype).bound(bandwidth, stored_flops(), 1, context)
-    return rate / bound
+    return roofline_fraction(metrics.get("decode_tokens_per_s"), llm_cost(llm), context, stored_bandwidth(),
+                             stored_flops())

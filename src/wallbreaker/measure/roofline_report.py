@@ -11,7 +11,7 @@ import torch
 
 from .machine import MIN_STORED_BUFFER_MIB, MachineProfile, measure, store_profile
 from .reporting import fmt, markdown_table, write_json
-from .roofline import DecodeCost, llm_cost, machine_profile
+from .roofline import DecodeCost, llm_cost, machine_profile, roofline_fraction
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 1024, 4096)
@@ -131,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
     if measured:
         context = args.prompt_tokens + measured["decode_tokens"] // 2
         bound = cost.bound(bandwidth, flops, 1, context)
-        measured.update(bound_tokens_per_s=bound, roofline_fraction=measured["decode_tokens_per_s"] / bound)
+        measured.update(bound_tokens_per_s=bound,
+                        roofline_fraction=roofline_fraction(measured["decode_tokens_per_s"], cost, context, bandwidth,
+                                                            flops))
         lines += ["", f"Real run, {threads} threads: {measured['decode_tokens']} tokens after a "
                       f"{args.prompt_tokens}-token prompt decode at {measured['decode_tokens_per_s']:.1f} tokens/s = "
                       f"{measured['roofline_fraction']:.0%} of the batch-1 bound ({bound:.1f} tokens/s at mean "
