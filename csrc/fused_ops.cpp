@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -89,12 +90,15 @@ torch::Tensor gated_act(const torch::Tensor& gate_up_in, const std::string& act)
 
 // From the fused q|k|v projection [T, (H + 2 KVH) D]: per head RMSNorm of q and k where the model
 // has one (Gemma 3), rotate-half RoPE of q and k with cos / sign-folded sin [T, D], and K and V
-// written into the layer's cache [KVH, slots, D] (float32, bfloat16 or float16) at each token's slot.
+// written into the layer's cache [KVH, slots, D] at each token's slot: float32, bfloat16 or
+// float16 as they are; int8 (symmetric, scale = amax / 127) or fp8 e4m3 (scale = amax / 448) with
+// one scale per token and head, written to k_scale / v_scale [KVH, slots].
 // Returns q [T, H, D] float32.
 torch::Tensor rope_write_kv(const torch::Tensor& qkv_in, const torch::Tensor& cos, const torch::Tensor& sin,
                             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                             int64_t H, int64_t KVH, const c10::optional<torch::Tensor>& q_norm,
-                            const c10::optional<torch::Tensor>& k_norm, double eps) {
+                            const c10::optional<torch::Tensor>& k_norm, double eps,
+                            const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
   auto qkv = qkv_in.to(torch::kFloat).contiguous();
   const int64_t T = qkv.size(0), D = k_cache.size(2);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * KVH) * D, "rope_write_kv: qkv must be [T, (H + 2 KVH) D]");
@@ -105,8 +109,18 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv_in, const torch::Tensor& co
                   k_cache.size(0) == KVH && k_cache.scalar_type() == v_cache.scalar_type(),
               "rope_write_kv: caches must be contiguous [KVH, slots, D] of one dtype");
   const auto kv_dtype = k_cache.scalar_type();
-  TORCH_CHECK(kv_dtype == torch::kFloat || kv_dtype == torch::kBFloat16 || kv_dtype == torch::kHalf,
-              "rope_write_kv: float32, bfloat16 or float16 caches");
+  const bool quantized = kv_dtype == torch::kChar || kv_dtype == torch::kFloat8_e4m3fn;
+  TORCH_CHECK(quantized || kv_dtype == torch::kFloat || kv_dtype == torch::kBFloat16 || kv_dtype == torch::kHalf,
+              "rope_write_kv: float32, bfloat16, float16, int8 or fp8 (e4m3) caches");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()),
+              "rope_write_kv: int8 and fp8 caches need their scales, the others none");
+  if (quantized)
+    for (const auto* t : {&k_scale, &v_scale})
+      TORCH_CHECK((*t)->scalar_type() == torch::kFloat && (*t)->is_contiguous() && (*t)->dim() == 2 &&
+                      (*t)->size(0) == KVH && (*t)->size(1) == k_cache.size(1),
+                  "rope_write_kv: scales must be float32 [KVH, slots]");
+  float* ksp = quantized ? k_scale->data_ptr<float>() : nullptr;
+  float* vsp = quantized ? v_scale->data_ptr<float>() : nullptr;
   auto slots = slot_mapping.to(torch::kLong).contiguous();
   TORCH_CHECK(slots.numel() == T, "rope_write_kv: one slot a token");
   const int64_t S = k_cache.size(1);
@@ -125,11 +139,25 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv_in, const torch::Tensor& co
   float* qp = q.data_ptr<float>();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t elem = kv_dtype == torch::kFloat ? 4 : 2, half = D / 2, width = (H + 2 * KVH) * D;
+  const int64_t elem = kv_dtype == torch::kFloat ? 4 : quantized ? 1 : 2, half = D / 2, width = (H + 2 * KVH) * D;
 
-  auto store = [&](char* base, int64_t head, int64_t slot, const float* x) {
+  auto store = [&](char* base, float* scales, int64_t head, int64_t slot, const float* x) {
     char* dst = base + ((head * S) + slot) * D * elem;
-    if (kv_dtype == torch::kBFloat16) {
+    if (quantized) {
+      float amax = 0.0f;
+      for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(x[i]));
+      const bool int8 = kv_dtype == torch::kChar;
+      const float scale = amax / (int8 ? 127.0f : 448.0f);
+      const float inv = scale > 0 ? 1.0f / scale : 0.0f;
+      scales[head * S + slot] = scale;
+      if (int8) {
+        int8_t* d = reinterpret_cast<int8_t*>(dst);
+        for (int64_t i = 0; i < D; i++) d[i] = (int8_t)std::nearbyint(std::clamp(x[i] * inv, -127.0f, 127.0f));
+      } else {
+        c10::Float8_e4m3fn* d = reinterpret_cast<c10::Float8_e4m3fn*>(dst);
+        for (int64_t i = 0; i < D; i++) d[i] = c10::Float8_e4m3fn(std::clamp(x[i] * inv, -448.0f, 448.0f));
+      }
+    } else if (kv_dtype == torch::kBFloat16) {
       uint16_t* d = reinterpret_cast<uint16_t*>(dst);
       for (int64_t i = 0; i < D; i++) d[i] = to_bf16(x[i]);
     } else if (kv_dtype == torch::kHalf) {
@@ -160,8 +188,8 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv_in, const torch::Tensor& co
       for (int64_t h = 0; h < H; h++) rope(row + h * D, qn, c, s, qp + (t * H + h) * D);
       for (int64_t h = 0; h < KVH; h++) {
         rope(row + (H + h) * D, kn, c, s, k_rot);
-        store(kc, h, sp[t], k_rot);
-        store(vc, h, sp[t], row + (H + KVH + h) * D);
+        store(kc, ksp, h, sp[t], k_rot);
+        store(vc, vsp, h, sp[t], row + (H + KVH + h) * D);
       }
     }
   });

@@ -119,7 +119,8 @@ torch::Tensor gated_act(const torch::Tensor& gate_up, const std::string& act);
 torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                             int64_t H, int64_t KVH, const c10::optional<torch::Tensor>& q_norm,
-                            const c10::optional<torch::Tensor>& k_norm, double eps);
+                            const c10::optional<torch::Tensor>& k_norm, double eps,
+                            const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale);
 
 std::string get_isa() { return kNames[level()]; }
 
@@ -243,5 +244,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "q/k norm, RoPE and the K/V cache write of a fused qkv projection",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("q_norm"),
-        py::arg("k_norm"), py::arg("eps"));
+        py::arg("k_norm"), py::arg("eps"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
 }
