@@ -25,7 +25,7 @@ from wallbreaker import LLM, kernels
 from wallbreaker.formats.dequant import block_info
 from wallbreaker.kernels.blocks import q4_1_blocks, q8_0_blocks
 from wallbreaker.layers.linear import QuantLinear, module_bytes
-from wallbreaker.quant.grid import QuantizedTensor
+from wallbreaker.formats.grid import QuantizedTensor
 
 T = gguf.GGMLQuantizationType
 FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]

@@ -382,7 +382,7 @@ def _quantized_folder(tiny, tmp_path: Path, mutate=None) -> Path:
     from safetensors.torch import load_file, save_file
 
     from wallbreaker.formats.quantized_hf import quantized_state
-    from wallbreaker.quant.grid import QuantGrid
+    from wallbreaker.formats.grid import QuantGrid
     from wallbreaker.quant.rtn import quantize_rtn
 
     folder = _hf_copy(tiny, tmp_path, "q")

@@ -24,8 +24,8 @@ from safetensors import safe_open
 
 from ..config import ModelConfig, short_repr
 from ..errors import ModelFormatError
-from ..quant.grid import QuantizedTensor
-from ..quant.packing import pack_codes, packed_row_bytes, unpack_codes
+from .grid import QuantizedTensor
+from .packing import pack_codes, packed_row_bytes, unpack_codes
 from .names import hf_to_canonical_table
 from .weights import WeightRef
 

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .grid import QuantGrid
+from ..formats.grid import QuantGrid
 from .rtn import quantize_rtn
 
 

@@ -22,7 +22,7 @@ from ..formats.hf_writer import canonical_to_hf, write_hf_folder
 from ..formats.names import llama_permute
 from ..formats.quantized_hf import QUANT_METHOD, quantized_state
 from ..formats.tokenizer import Tokenizer
-from .grid import QuantizedTensor
+from ..formats.grid import QuantizedTensor
 from .pipeline import QuantizedModel, QuantizeConfig
 
 Q = gguf.GGMLQuantizationType

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grid import QuantGrid, QuantizedTensor
+from ..formats.grid import QuantGrid, QuantizedTensor
 
 
 @dataclass(frozen=True)

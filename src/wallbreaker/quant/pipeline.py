@@ -23,7 +23,7 @@ from .awq import AWQConfig, search_clip, search_scales
 from .calibration import InputStats, calibration_sequences, capture_inputs, read_calibration_text
 from .fold import fold_scales, folded_tensor_names, read_folded, tie_heads
 from .gptq import GPTQConfig, PreparedHessian, gptq_quantize, prepare_hessian
-from .grid import QuantGrid, QuantizedTensor
+from ..formats.grid import QuantGrid, QuantizedTensor
 from .layerwise import LayerRunner, LinearGroup, linear_groups
 from .mixed import allocate_bits, average_bits, candidate_bits
 from .rtn import quantize_rtn

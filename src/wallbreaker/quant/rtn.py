@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .grid import QuantGrid, QuantizedTensor
+from ..formats.grid import QuantGrid, QuantizedTensor
 
 
 def quantize_rtn(weight: torch.Tensor, grid: QuantGrid) -> QuantizedTensor:
