@@ -16,7 +16,7 @@ from ..kv import BlockManager, BlockPool, KVCache
 from ..kv.cache import default_num_blocks
 from ..layers.linear import module_bytes
 from ..models import WeightSource, build_model
-from ..models.llama import CausalLM
+from ..models.base import CausalLM
 from ..parallel.shard import Shard, check_splittable, local_kv_config
 from ..sampling_params import SamplingParams
 from ..spec.draft import DraftProposer

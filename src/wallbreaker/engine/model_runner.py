@@ -7,7 +7,7 @@ import torch
 
 from ..kv import KVCache
 from ..layers.attention import MAX_PAGED_QUERIES, AttentionMetadata, PrefillSpan
-from ..models.llama import CausalLM
+from ..models.base import CausalLM
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 

@@ -8,7 +8,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
-from .llama import MLP, Attention, CausalLM, _norm
+from .base import CausalLM, rms_norm
+from .llama import MLP, Attention
 from .source import WeightSource
 
 
@@ -16,12 +17,12 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p, eps = f"blk.{layer}.", cfg.rms_norm_eps
-        self.attn_norm = _norm(src, p + "attn_norm.weight", eps)
+        self.attn_norm = rms_norm(src, p + "attn_norm.weight", eps)
         self.attn = Attention(cfg, layer, src)
-        self.post_attn_norm = _norm(src, p + "post_attention_norm.weight", eps)
-        self.mlp_norm = _norm(src, p + "ffn_norm.weight", eps)
+        self.post_attn_norm = rms_norm(src, p + "post_attention_norm.weight", eps)
+        self.mlp_norm = rms_norm(src, p + "ffn_norm.weight", eps)
         self.mlp = MLP(cfg, layer, src)
-        self.post_mlp_norm = _norm(src, p + "post_ffw_norm.weight", eps)
+        self.post_mlp_norm = rms_norm(src, p + "post_ffw_norm.weight", eps)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata,
                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,16 +10,9 @@ from torch import nn
 from .. import _C
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata, paged_attention
-from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from .base import CausalLM, rms_norm
 from .source import WeightSource
-
-
-def _norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
-    w = src.tensor(name).float()
-    norm = RMSNorm(w.shape[0], eps)
-    norm.weight.data = w
-    return norm
 
 
 class Attention(nn.Module):
@@ -32,8 +25,8 @@ class Attention(nn.Module):
         biases = [p + f"attn_{x}.bias" for x in "qkv"] if cfg.qkv_bias else None
         self.qkv = src.linear([p + f"attn_{x}.weight" for x in "qkv"], biases, "column", [q_rows, kv_rows, kv_rows])
         self.o = src.linear([p + "attn_output.weight"], parallel="row", slices=[q_rows])
-        self.q_norm = _norm(src, p + "attn_q_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = _norm(src, p + "attn_k_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = rms_norm(src, p + "attn_q_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = rms_norm(src, p + "attn_k_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
         sliding = cfg.is_sliding(layer)
         theta = cfg.rope_local_theta if sliding and cfg.rope_local_theta else cfg.rope_theta
         self.rope = RotaryEmbedding(cfg.head_dim, theta, 1.0 if sliding else cfg.rope_scaling_factor)
@@ -72,9 +65,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."
-        self.attn_norm = _norm(src, p + "attn_norm.weight", cfg.rms_norm_eps)
+        self.attn_norm = rms_norm(src, p + "attn_norm.weight", cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer, src)
-        self.mlp_norm = _norm(src, p + "ffn_norm.weight", cfg.rms_norm_eps)
+        self.mlp_norm = rms_norm(src, p + "ffn_norm.weight", cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer, src)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata,
@@ -83,30 +76,5 @@ class DecoderLayer(nn.Module):
         return h, self.mlp(self.mlp_norm.add_and_norm(h, attn))
 
 
-class CausalLM(nn.Module):
-    """Token ids in, hidden states out (`forward`); hidden states to vocabulary logits (`logits`)."""
-
-    layer_class: type[nn.Module] = DecoderLayer
-
-    def __init__(self, cfg: ModelConfig, src: WeightSource):
-        super().__init__()
-        self.config = cfg
-        self.embed, self.lm_head = src.embedding_and_head(cfg.tie_word_embeddings)
-        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None
-        self.layers = nn.ModuleList(self.layer_class(cfg, i, src) for i in range(cfg.num_layers))
-        self.norm = _norm(src, "output_norm.weight", cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed(input_ids).float()  # [T, hidden]: the residual stream is float32 on every path
-        if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        delta = None
-        for layer in self.layers:
-            h, delta = layer(h, meta, delta)
-        return self.norm.add_and_norm(h, delta)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [B, vocab]
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.attn for layer in self.layers]
+class LlamaCausalLM(CausalLM):
+    layer_class = DecoderLayer

@@ -7,7 +7,7 @@ import torch
 
 from ..engine.model_runner import ModelRunner, StepInputs
 from ..kv import KVCache
-from ..models.llama import CausalLM
+from ..models.base import CausalLM
 
 if TYPE_CHECKING:
     from .launcher import Workers

@@ -1,0 +1,51 @@
+"""What every architecture is: embeddings, a stack of decoder layers, a final norm, the output head.
+An architecture (llama.py, gemma3.py) supplies the class of its layers."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.attention import AttentionMetadata
+from ..layers.norm import RMSNorm
+from .source import WeightSource
+
+
+def rms_norm(src: WeightSource, name: str, eps: float) -> RMSNorm:
+    """An RMSNorm with the named weight, kept in float32 on every path."""
+    w = src.tensor(name).float()
+    norm = RMSNorm(w.shape[0], eps)
+    norm.weight.data = w
+    return norm
+
+
+class CausalLM(nn.Module):
+    """Token ids in, hidden states out (`forward`); hidden states to vocabulary logits (`logits`).
+
+    `layer_class(cfg, i, src)` builds layer i; a layer maps (h, meta, delta) to (h, delta), the
+    residual add deferred to the next norm (`RMSNorm.add_and_norm`), and holds its attention as `attn`."""
+
+    layer_class: type[nn.Module]
+
+    def __init__(self, cfg: ModelConfig, src: WeightSource):
+        super().__init__()
+        self.config = cfg
+        self.embed, self.lm_head = src.embedding_and_head(cfg.tie_word_embeddings)
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, src) for i in range(cfg.num_layers))
+        self.norm = rms_norm(src, "output_norm.weight", cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed(input_ids).float()  # [T, hidden]: the residual stream is float32 on every path
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        delta = None
+        for layer in self.layers:
+            h, delta = layer(h, meta, delta)
+        return self.norm.add_and_norm(h, delta)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [B, vocab]
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.attn for layer in self.layers]
