@@ -32,7 +32,7 @@ def shard_weights_mib(llm, rank: int, tp: int) -> float:
     import torch
     from wallbreaker.engine.llm import load_model
     from wallbreaker.layers.linear import module_bytes
-    from wallbreaker.parallel.shard import Shard
+    from wallbreaker.layers.shard import Shard
     return module_bytes(load_model(llm.files, llm.config, torch.device("cpu"), Shard(rank, tp))) / 2**20
 
 

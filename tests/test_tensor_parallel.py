@@ -24,8 +24,8 @@ from wallbreaker.formats import open_model
 from wallbreaker.formats.gguf_file import GGUFTensor
 from wallbreaker.formats.gguf_model import _weight_ref
 from wallbreaker.layers.linear import QuantLinear
-from wallbreaker.parallel.layers import RowParallelLinear
-from wallbreaker.parallel.shard import check_splittable, even_range, head_shard
+from wallbreaker.layers.parallel import RowParallelLinear
+from wallbreaker.layers.shard import check_splittable, even_range, head_shard
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "Numbers: 0 1 2 3", "Once upon a time there",

@@ -17,7 +17,7 @@ from ..kv.cache import default_num_blocks
 from ..layers.linear import module_bytes
 from ..models import WeightSource, build_model
 from ..models.base import CausalLM
-from ..parallel.shard import Shard, check_splittable, local_kv_config
+from ..layers.shard import Shard, check_splittable, local_kv_config
 from ..sampling_params import SamplingParams
 from ..spec.draft import DraftProposer
 from ..spec.speculator import Speculator

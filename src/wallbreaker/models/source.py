@@ -4,7 +4,7 @@ weights stored in a covered block format keep their stored blocks; others get bl
 (kernels/blocks.py: Q4_1 for <= 4-bit int-code grids, else Q8_0).
 
 With tensor parallelism (`shard` set) each layer reads only this rank's rows or columns, and the
-layers that must talk across ranks come wrapped (parallel/layers.py); without, the hints are ignored.
+layers that must talk across ranks come wrapped (layers/parallel.py); without, the hints are ignored.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..kernels import SUPPORTED_TYPES
 from ..kernels.blocks import q4_1_blocks, q8_0_blocks
 from ..layers.embedding import Embedding, QuantizedEmbedding
 from ..layers.linear import Linear, QuantLinear
-from ..parallel.shard import HeadShard, Shard, vocab_chunk
+from ..layers.shard import HeadShard, Shard, vocab_chunk
 
 T = gguf.GGMLQuantizationType
 
@@ -73,7 +73,7 @@ class WeightSource:
             bias = torch.cat([self.weights[n].load_slice(0, s.start, s.stop) for n, s in zip(bias_names, slices)]) \
                 if bias_names else None
             return self._fused(segments, refs[0].shape[1], bias)
-        from ..parallel.layers import RowParallelLinear
+        from ..layers.parallel import RowParallelLinear
         bias = torch.cat([self.weights[n].load() for n in bias_names]).to(self.dtype) if bias_names else None
         return RowParallelLinear(self._fused(segments, len(slices[0]), None), bias, self.shard)
 
@@ -148,7 +148,7 @@ class WeightSource:
         return Embedding(ref.load_slice(0, rows.start, rows.stop).to(self.dtype))
 
     def _vocab_parallel(self, tie_word_embeddings: bool) -> tuple[nn.Module, nn.Module]:
-        from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead
+        from ..layers.parallel import VocabParallelEmbedding, VocabParallelHead
         name = "token_embd.weight"
         ref = self.weights[name]
         vocab = self.shard.vocab(ref.shape[0])

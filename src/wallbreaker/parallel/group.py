@@ -87,3 +87,11 @@ def error_line(e: BaseException) -> str:
     """One line for a user: the first of the message, without gloo's "[.../pair.cc:553] " prefix."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". This is typically caused")[0]
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """One accelerator per rank: cuda -> cuda:<local rank>; the CPU is shared."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", local_rank)
+    return dev

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.weights import ModelFiles
 from .channel import StepChannel
-from .group import (ParallelGroup, check_no_group, destroy_group, error_line, free_port, init_group,
+from ..layers.shard import Shard
+from .group import (ParallelGroup, check_no_group, destroy_group, error_line, free_port, init_group, rank_device,
                     threads_per_rank, torchrun_env)
 from .runner import ParallelModelRunner
-from .shard import Shard, rank_device
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ..formats import open_model
+from ..layers.shard import Shard
 from .channel import StepChannel
 from .group import ParallelGroup, destroy_group, error_line, init_group, threads_per_rank
-from .shard import Shard
 
 
 def serve(group: ParallelGroup) -> None:

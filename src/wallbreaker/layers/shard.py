@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from ..config import ModelConfig
 from ..errors import InvalidRequestError
 
@@ -93,11 +91,3 @@ def local_kv_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The config a rank's KV pool is sized by: its own heads only."""
     heads = shard.heads(cfg.num_heads, cfg.num_kv_heads)
     return replace(cfg, num_heads=len(heads.q), num_kv_heads=len(heads.kv))
-
-
-def rank_device(device: str, local_rank: int) -> torch.device:
-    """One accelerator per rank: cuda -> cuda:<local rank>; the CPU is shared."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", local_rank)
-    return dev
