@@ -63,7 +63,7 @@ def simulated_engine(model: str | None, block_size: int, num_blocks: int, max_nu
 
 def real_engine(model: str | None, block_size: int, num_blocks: int, max_num_seqs: int,
                 max_batched_tokens: int, max_model_len: int | None) -> tuple[LLMEngine, int]:
-    from wallbreaker.engine.llm import LLM, EngineConfig
+    from wallbreaker import LLM, EngineConfig
     from wallbreaker.kv.cache import bytes_per_block
     kv_dtype = getattr(EngineConfig(), "kv_cache_dtype", torch.float32)
     per_block = bytes_per_block(open_model(model).config, block_size, kv_dtype)

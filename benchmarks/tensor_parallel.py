@@ -30,7 +30,7 @@ def vm_hwm_mib(pid: int | str = "self") -> float:
 def shard_weights_mib(llm, rank: int, tp: int) -> float:
     """The resident weight bytes of another rank's shard, built here after the run (no group needed)."""
     import torch
-    from wallbreaker.engine.llm import load_model
+    from wallbreaker.models import load_model
     from wallbreaker.layers.linear import module_bytes
     from wallbreaker.layers.shard import Shard
     return module_bytes(load_model(llm.files, llm.config, torch.device("cpu"), Shard(rank, tp))) / 2**20

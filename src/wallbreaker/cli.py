@@ -21,7 +21,7 @@ def command(name: str):
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from .engine.llm import EngineConfig
+    from .config import EngineConfig
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "model":
@@ -35,7 +35,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    from .engine.llm import EngineConfig
+    from .config import EngineConfig
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
 
 
@@ -58,7 +58,7 @@ def sampling_params(args: argparse.Namespace):
 
 
 def load_llm(args: argparse.Namespace):
-    from .engine.llm import LLM
+    from .llm import LLM
     return LLM(args.model, **engine_options(args))
 
 

@@ -1,9 +1,15 @@
-"""Model configuration: one dataclass that every architecture is described by."""
+"""Configuration: what a model is (`ModelConfig`, whichever file it came from) and how the engine runs
+it (`EngineConfig`, every option of `LLM(...)` and of the verbs that run the engine)."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+
+import torch
+
+from .errors import InvalidRequestError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
@@ -139,3 +145,64 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a model: `LLM(model, **options)` takes these fields, the CLI has a flag for each."""
+
+    model: str | os.PathLike | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    kv_block_size: int = 16
+    kv_cache_memory_gb: float | None = None
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_adaptive: bool = True
+    num_threads: int | None = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidRequestError(f"{name} must be at least 1")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise InvalidRequestError("kv_cache_memory_gb must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError("max_model_len must be at least 2")
+        if self.speculative_method not in (None, "draft", "ngram"):
+            raise InvalidRequestError("speculative_method must be None, 'draft' or 'ngram'")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise InvalidRequestError("speculative_method='draft' needs speculative_model (a path or packaged name)")
+        if self.speculative_method and not 1 <= self.num_speculative_tokens <= 32:
+            raise InvalidRequestError("num_speculative_tokens must be between 1 and 32")
+        if int(self.tensor_parallel_size) < 1:
+            raise InvalidRequestError("tensor_parallel_size must be at least 1")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise InvalidRequestError("tensor_parallel_timeout_s must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The activation (and KV cache) dtype."""
+        return torch.float32 if self.dtype == "auto" else _DTYPES[self.dtype]
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """bfloat16 on the `auto` path: batched decoding reads the KV cache more than the weights."""
+        return torch.bfloat16 if self.dtype == "auto" else self.torch_dtype
+
+    @property
+    def packed_weights(self) -> bool:
+        """`auto` on the CPU keeps linear weights as GGUF blocks for our kernels (wallbreaker.kernels)."""
+        return self.dtype == "auto" and torch.device(self.device).type == "cpu"

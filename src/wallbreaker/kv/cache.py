@@ -11,7 +11,8 @@ from __future__ import annotations
 import psutil
 import torch
 
-from ..config import ModelConfig
+from ..config import EngineConfig, ModelConfig
+from ..layers.shard import Shard, local_kv_config
 
 
 class KVCache:
@@ -72,3 +73,11 @@ def default_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
     if memory_gb is None:
         by_memory = min(by_memory, -(-max_tokens // block_size))
     return max(by_memory, 1)
+
+
+def make_kv_cache(model_config: ModelConfig, config: EngineConfig, num_blocks: int, device: torch.device,
+                  shard: Shard | None = None) -> KVCache:
+    """The KV pool; a tensor-parallel rank's holds the same blocks, for its own KV heads only."""
+    if shard is not None:
+        model_config = local_kv_config(model_config, shard)
+    return KVCache(model_config, num_blocks, config.kv_block_size, config.kv_cache_dtype, device)

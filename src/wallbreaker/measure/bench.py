@@ -63,7 +63,7 @@ class Wallbreaker:
     """The engine under test; with speculation, only its batch-1 decode is measured."""
 
     def __init__(self, args: argparse.Namespace, options: dict, name: str):
-        from ..engine.llm import LLM
+        from ..llm import LLM
         from ..sampling_params import SamplingParams
         from .workload import prompt_ids
         self.args, self.name, self.max_runs = args, name, args.runs

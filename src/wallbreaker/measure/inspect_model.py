@@ -6,6 +6,7 @@ from collections import Counter
 
 import torch
 
+from ..config import EngineConfig
 from ..formats import open_model
 from ..kv.cache import kv_bytes_per_token
 from .roofline import stored_bandwidth, stored_decode_cost
@@ -66,7 +67,6 @@ def describe(model: str | None, json_output: bool = False) -> str:
 
 def _bounds(files, bandwidth: float) -> dict:
     """Memory-bound decode tokens/s with the KV cache in the dtype the default (`auto`) path keeps it in."""
-    from ..engine.llm import EngineConfig
     kv_dtype = EngineConfig().kv_cache_dtype
     cost = stored_decode_cost(files, kv_dtype)
     out: dict = {"bandwidth_gb_per_s": bandwidth / 1e9, "kv_dtype": str(kv_dtype).removeprefix("torch.")}

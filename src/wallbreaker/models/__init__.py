@@ -1,7 +1,11 @@
 """Architectures, built from `layers/`. `build_model` picks one from the config."""
 from __future__ import annotations
 
-from ..config import ModelConfig
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from ..formats import ModelFiles
+from ..layers.shard import Shard
 from .base import CausalLM
 from .gemma3 import Gemma3CausalLM
 from .llama import LlamaCausalLM
@@ -12,3 +16,9 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {"llama": LlamaCausalLM, "qwen2": Ll
 
 def build_model(config: ModelConfig, source: WeightSource) -> CausalLM:
     return _ARCHITECTURES[config.architecture](config, source).eval()
+
+
+def load_model(files: ModelFiles, config: EngineConfig, device: torch.device, shard: Shard | None = None) -> CausalLM:
+    """The model, or under tensor parallelism this rank's shard of it."""
+    with torch.device(device):
+        return build_model(files.config, WeightSource(files.weights, config.torch_dtype, config.packed_weights, shard))

@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.weights import ModelFiles
+from ..kv.cache import make_kv_cache
 from .channel import StepChannel
 from ..layers.shard import Shard
+from ..models import load_model
 from .group import (ParallelGroup, check_no_group, destroy_group, error_line, free_port, init_group, rank_device,
                     threads_per_rank, torchrun_env)
 from .runner import ParallelModelRunner
@@ -86,7 +88,6 @@ class Workers:
 
     def start_runner(self, files: ModelFiles, config, num_blocks: int) -> ParallelModelRunner:
         """Hand the workers the model and its KV pool size, load rank 0's shard, wait for all."""
-        from ..engine.llm import load_model, make_kv_cache
         spec = {"config": {**dataclasses.asdict(config), "model": None}, "model_path": str(files.path),
                 "num_blocks": num_blocks}
         try:
@@ -94,7 +95,7 @@ class Workers:
             self._state = "loading"
             shard = Shard(0, self.group.world_size, self.group.model)
             model = load_model(files, config, self.group.device, shard)
-            kv_cache = make_kv_cache(files, config, num_blocks, self.group.device, shard)
+            kv_cache = make_kv_cache(files.config, config, num_blocks, self.group.device, shard)
             dist.barrier(group=self.group.control)
         except RuntimeError as e:
             raise self.fail(e) from None

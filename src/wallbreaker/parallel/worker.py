@@ -16,16 +16,18 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..config import EngineConfig
+from ..engine.model_runner import ModelRunner
 from ..formats import open_model
+from ..kv.cache import make_kv_cache
 from ..layers.shard import Shard
+from ..models import load_model
 from .channel import StepChannel
 from .group import ParallelGroup, destroy_group, error_line, init_group, threads_per_rank
 
 
 def serve(group: ParallelGroup) -> None:
     """Take the engine's spec from rank 0, load this rank's shard, run steps until rank 0 stops."""
-    from ..engine.llm import EngineConfig, load_model, make_kv_cache
-    from ..engine.model_runner import ModelRunner
 
     box: list = [None]
     dist.broadcast_object_list(box, src=0, group=group.control)
@@ -37,7 +39,7 @@ def serve(group: ParallelGroup) -> None:
     files = open_model(spec["model_path"])
     shard = Shard(group.rank, group.world_size, group.model)
     model = load_model(files, config, group.device, shard)
-    runner = ModelRunner(model, make_kv_cache(files, config, spec["num_blocks"], group.device, shard), group.device)
+    runner = ModelRunner(model, make_kv_cache(files.config, config, spec["num_blocks"], group.device, shard), group.device)
     dist.barrier(group=group.control)
     channel = StepChannel(group.control, group.device)
     while (step := channel.recv()) is not None:

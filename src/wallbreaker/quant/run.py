@@ -13,7 +13,7 @@ def is_gguf_path(out: str | os.PathLike) -> bool:
 
 def quantize_to(model: str | os.PathLike | None, out: str | os.PathLike, cfg: QuantizeConfig,
                 progress: bool = True) -> QuantizedModel:
-    from ..engine.llm import LLM
+    from ..llm import LLM
     from .export import export_folder, export_gguf, gguf_tokenizer_metadata, gguf_type
 
     gguf_out = is_gguf_path(out)

@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from ..engine.llm import LLM
+from ..llm import LLM
 from .access_log import AccessLogMiddleware
 from .async_engine import AsyncEngine
 from .config import ServerConfig

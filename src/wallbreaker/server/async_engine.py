@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from ..engine.llm import LLM
+from ..llm import LLM
 from ..engine.outputs import RequestOutput, StreamDelta
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request, queue_full

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from ..engine.llm import LLM
+from ..llm import LLM
 from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .errors import APIError

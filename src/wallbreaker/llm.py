@@ -5,98 +5,27 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
-from ..errors import EngineError, InvalidRequestError
-from ..formats import ModelFiles, open_model
-from ..kv import BlockManager, BlockPool, KVCache
-from ..kv.cache import default_num_blocks
-from ..layers.linear import module_bytes
-from ..models import WeightSource, build_model
-from ..models.base import CausalLM
-from ..layers.shard import Shard, check_splittable, local_kv_config
-from ..sampling_params import SamplingParams
-from ..spec.draft import DraftProposer
-from ..spec.speculator import Speculator
-from .llm_engine import LLMEngine
-from .model_runner import ModelRunner
-from .outputs import RequestOutput, StreamDelta
-from .scheduler import Scheduler
+from .config import EngineConfig
+from .engine.llm_engine import LLMEngine
+from .engine.model_runner import ModelRunner
+from .engine.outputs import RequestOutput, StreamDelta
+from .engine.scheduler import Scheduler
+from .errors import EngineError, InvalidRequestError
+from .formats import ModelFiles, open_model
+from .kv import BlockManager, BlockPool
+from .kv.cache import default_num_blocks, make_kv_cache
+from .layers.linear import module_bytes
+from .layers.shard import check_splittable
+from .models import load_model
+from .sampling_params import SamplingParams
+from .spec.draft import DraftProposer
+from .spec.speculator import Speculator
 
 logger = logging.getLogger("wallbreaker")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class EngineConfig:
-    model: str | os.PathLike | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    kv_block_size: int = 16
-    kv_cache_memory_gb: float | None = None
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    speculative_method: str | None = None
-    speculative_model: str | None = None
-    num_speculative_tokens: int = 4
-    speculative_adaptive: bool = True
-    num_threads: int | None = None
-    tensor_parallel_size: int = 1
-    tensor_parallel_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *_DTYPES):
-            raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise InvalidRequestError(f"{name} must be at least 1")
-        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
-            raise InvalidRequestError("kv_cache_memory_gb must be positive")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise InvalidRequestError("max_model_len must be at least 2")
-        if self.speculative_method not in (None, "draft", "ngram"):
-            raise InvalidRequestError("speculative_method must be None, 'draft' or 'ngram'")
-        if self.speculative_method == "draft" and not self.speculative_model:
-            raise InvalidRequestError("speculative_method='draft' needs speculative_model (a path or packaged name)")
-        if self.speculative_method and not 1 <= self.num_speculative_tokens <= 32:
-            raise InvalidRequestError("num_speculative_tokens must be between 1 and 32")
-        if int(self.tensor_parallel_size) < 1:
-            raise InvalidRequestError("tensor_parallel_size must be at least 1")
-        if not self.tensor_parallel_timeout_s > 0:
-            raise InvalidRequestError("tensor_parallel_timeout_s must be positive")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The activation (and KV cache) dtype."""
-        return torch.float32 if self.dtype == "auto" else _DTYPES[self.dtype]
-
-    @property
-    def kv_cache_dtype(self) -> torch.dtype:
-        """bfloat16 on the `auto` path: batched decoding reads the KV cache more than the weights."""
-        return torch.bfloat16 if self.dtype == "auto" else self.torch_dtype
-
-    @property
-    def packed_weights(self) -> bool:
-        """`auto` on the CPU keeps linear weights as GGUF blocks for our kernels (wallbreaker.kernels)."""
-        return self.dtype == "auto" and torch.device(self.device).type == "cpu"
-
-
-def load_model(files: ModelFiles, config: EngineConfig, device: torch.device, shard: Shard | None = None) -> CausalLM:
-    """The model, or under tensor parallelism this rank's shard of it."""
-    with torch.device(device):
-        return build_model(files.config, WeightSource(files.weights, config.torch_dtype, config.packed_weights, shard))
-
-
-def make_kv_cache(files: ModelFiles, config: EngineConfig, num_blocks: int, device: torch.device,
-                  shard: Shard | None = None) -> KVCache:
-    """The KV pool; a tensor-parallel rank's holds the same blocks, for its own KV heads only."""
-    model_config = files.config if shard is None else local_kv_config(files.config, shard)
-    return KVCache(model_config, num_blocks, config.kv_block_size, config.kv_cache_dtype, device)
 
 
 PromptType = str | list[int] | dict  # dict: {"prompt": str} or {"prompt_token_ids": [...]}, and "cache_salt"
@@ -138,7 +67,7 @@ class LLM:
         self.max_model_len = max_len
         if self.config.tensor_parallel_size == 1:
             self.model = load_model(files, self.config, device)
-            self.kv_cache = make_kv_cache(files, self.config, num_blocks, device)
+            self.kv_cache = make_kv_cache(files.config, self.config, num_blocks, device)
             runner = ModelRunner(self.model, self.kv_cache, device)
         else:
             runner = self._start_tensor_parallel(files, num_blocks)
@@ -174,7 +103,7 @@ class LLM:
 
     def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int) -> ModelRunner:
         """Start the workers (or join torchrun's ranks) and load rank 0's shard; see parallel/."""
-        from ..parallel.launcher import launch
+        from .parallel.launcher import launch
         check_splittable(files.config, self.config.tensor_parallel_size)
         self.workers = launch(self.config)
         weakref.finalize(self, self.workers.shutdown)  # an LLM dropped without shutdown() still stops them
@@ -301,7 +230,7 @@ class LLM:
     def beam_search(self, prompts: PromptType | Seq[PromptType], beam_width: int = 4, max_tokens: int = 32,
                     length_penalty: float = 1.0, ignore_eos: bool = False):
         """Beam search; returns one `BeamSearchOutput` a prompt, its sequences best first."""
-        from .beam_search import beam_search
+        from .engine.beam_search import beam_search
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return beam_search(self.engine, [self.encode(p)[1] for p in prompts], beam_width, max_tokens,
@@ -309,7 +238,7 @@ class LLM:
 
     def logits(self, prompt: PromptType, chunk_size: int | None = None) -> torch.Tensor:
         """Float32 logits [tokens, vocab] of every position of a prompt (row i predicts token i + 1)."""
-        from .scoring import prompt_logits
+        from .engine.scoring import prompt_logits
         return prompt_logits(self.engine, self.encode(prompt)[1], chunk_size)
 
     def stats(self) -> dict:
