@@ -12,8 +12,8 @@ import torch
 from tiny_models import make_tiny_model
 from wallbreaker import LLM, InvalidRequestError, SamplingParams
 from wallbreaker.kv.cache import bytes_per_block
-from wallbreaker.spec import rejection
-from wallbreaker.spec.ngram import propose_ngram
+from wallbreaker.spec_decode import rejection
+from wallbreaker.spec_decode.ngram import propose_ngram
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -186,8 +186,8 @@ def test_the_distribution_check_catches_plain_acceptance(target, poor_draft, dis
     """Accepting every draft outright must be detected: otherwise the test above proves nothing."""
     def accept_all(target_probs, draft_probs, drafts, generator):
         return len(drafts), rejection._draw(target_probs[len(drafts)], generator)
-    import wallbreaker.engine.llm_engine as llm_engine
-    monkeypatch.setattr(llm_engine, "verify", accept_all)
+    import wallbreaker.spec_decode.speculator as speculator
+    monkeypatch.setattr(speculator, "verify", accept_all)
     prompt, exact = distribution_case
     counts = sample_second_tokens(target, poor_draft, prompt, N_SAMPLES, top_k=6)
     assert chi_square_pvalue_is_tiny(counts, exact, N_SAMPLES)

@@ -22,8 +22,8 @@ from .layers.linear import module_bytes
 from .layers.shard import check_splittable
 from .models import load_model
 from .sampling_params import SamplingParams
-from .spec.draft import DraftProposer
-from .spec.speculator import Speculator
+from .spec_decode.draft import DraftProposer
+from .spec_decode.speculator import Speculator
 
 logger = logging.getLogger("wallbreaker")
 

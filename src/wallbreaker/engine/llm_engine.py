@@ -6,15 +6,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ..errors import EngineError, InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..kv import BlockManager
-from ..layers.sampler import processed_probs, sample, top_logprobs
-from ..spec.rejection import verify
-from ..spec.speculator import Speculator
+from ..layers.sampler import sample, top_logprobs
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
@@ -24,6 +23,17 @@ from .sequence import Sequence
 
 logger = logging.getLogger("wallbreaker.engine")
 MAX_CACHE_SALT_CHARS = 1024
+
+
+class Speculation(Protocol):
+    """What the engine asks of speculative decoding (spec_decode.Speculator, which `LLM` builds and
+    which sits above the engine): drafts before a step, the tokens that verification keeps after it."""
+
+    def propose(self, running: list[Sequence]) -> None: ...
+    def verify_drafts(self, seq: Sequence, logits: torch.Tensor) -> list[int]: ...
+    def record_step(self, batch: ScheduledBatch, seconds: float) -> None: ...
+    def release_ended(self, running: list[Sequence]) -> None: ...
+    def stats(self) -> dict: ...
 
 
 @dataclass
@@ -56,7 +66,7 @@ class Request:
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, block_manager: BlockManager,
                  scheduler: Scheduler, max_model_len: int, eos_token_ids: frozenset[int],
-                 speculator: Speculator | None = None):
+                 speculator: Speculation | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.block_manager = block_manager
@@ -265,17 +275,10 @@ class LLMEngine:
         return deltas
 
     def _verify_and_append(self, seq: Sequence, logits: torch.Tensor) -> StreamDelta:
-        """Rejection-sample the drafts riding on `seq` against the target's logits [1 + K, V]."""
-        drafts = list(seq.spec_token_ids)
-        k = len(drafts)
-        outputs = seq.output_token_ids
-        p = processed_probs(logits, [seq.params] * (k + 1), [seq.prompt_token_ids] * (k + 1),
-                            [outputs + drafts[:j] for j in range(k + 1)])  # [K + 1, V]
-        q = seq.draft_probs
-        if q is not None:
-            q = _fit_vocab(q, p.shape[1])
-        accepted, nxt = verify(p, q, drafts, seq.generator)
-        tokens = drafts[:accepted] + [nxt]
+        """Append what verification keeps of the drafts riding on `seq` (target logits [1 + K, V])."""
+        k = seq.num_draft
+        tokens = self.speculator.verify_drafts(seq, logits)  # the accepted drafts, then the target's token
+        accepted = len(tokens) - 1
         raw = torch.log_softmax(logits.float(), dim=-1)  # [K + 1, V]
         logprobs = [float(raw[j, t]) for j, t in enumerate(tokens)]
         tops = top_logprobs(raw[:len(tokens)], seq.params.logprobs or 0)
@@ -404,11 +407,4 @@ class LLMEngine:
             **(self.speculator.stats() if self.speculator else {}),
             **self.counters,
         }
-
-
-def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft distributions over the target's vocabulary (padded embeddings may differ in size)."""
-    if q.shape[1] >= vocab:
-        return q[:, :vocab]
-    return torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
 

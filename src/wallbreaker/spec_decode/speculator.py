@@ -1,13 +1,17 @@
 """Speculation inside the engine loop: before each step, decoding sequences get K drafted tokens
 (K chosen per sequence by the controller) in their `spec_token_ids`, computed after their tokens in
-one target pass; the engine then verifies them (spec/rejection.py)."""
+one target pass; the engine computes them and `verify_drafts` keeps what rejection.py accepts."""
 from __future__ import annotations
 
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import torch
+
+from ..layers.sampler import processed_probs
 from .adaptive import SpecLengthController
 from .ngram import propose_ngram
+from .rejection import verify
 
 if TYPE_CHECKING:
     from ..engine.scheduler import ScheduledBatch
@@ -63,6 +67,20 @@ class Speculator:
                 seq.spec_token_ids = list(tokens)
                 seq.draft_probs = q
 
+    def verify_drafts(self, seq: "Sequence", logits: torch.Tensor) -> list[int]:
+        """What `seq` appends after a step that computed its K drafts: the drafts that rejection
+        sampling keeps against the target's logits [1 + K, V], then the token the target adds."""
+        drafts = list(seq.spec_token_ids)
+        k = len(drafts)
+        outputs = seq.output_token_ids
+        p = processed_probs(logits, [seq.params] * (k + 1), [seq.prompt_token_ids] * (k + 1),
+                            [outputs + drafts[:j] for j in range(k + 1)])  # [K + 1, V]
+        q = seq.draft_probs
+        if q is not None:
+            q = _fit_vocab(q, p.shape[1])
+        accepted, nxt = verify(p, q, drafts, seq.generator)
+        return drafts[:accepted] + [nxt]
+
     def record_step(self, batch: "ScheduledBatch", seconds: float) -> None:
         width = max((1 + s.num_draft for s in batch.seqs), default=1)
         self.controller.record_step(width, seconds, width - 1)
@@ -71,3 +89,11 @@ class Speculator:
         chosen = Counter(self.controller.chosen)
         return {"spec_method": self.method, "spec_k_histogram": dict(sorted(chosen.items())),
                 "spec_k_recent": list(self.controller.chosen)[-32:]}
+
+
+def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft distributions over the target's vocabulary (padded embeddings may differ in size)."""
+    if q.shape[1] >= vocab:
+        return q[:, :vocab]
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
+
