@@ -16,7 +16,7 @@ from .prompts import chat_prompt
 from .protocol import ChatCompletionRequest
 from .responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatStreamChoice,
                         DeltaMessage, Usage)
-from .sampling import chat_params
+from .request_params import chat_params
 from .state import ServerState
 from .streaming import SSE_DONE, EventStreamResponse, collect, sse, sse_error
 

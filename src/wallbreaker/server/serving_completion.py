@@ -17,7 +17,7 @@ from .logprobs import completion_logprobs
 from .prompts import completion_prompts
 from .protocol import CompletionRequest
 from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
-from .sampling import completion_params
+from .request_params import completion_params
 from .state import ServerState
 from .streaming import SSE_DONE, EventStreamResponse, collect, sse, sse_error
 
