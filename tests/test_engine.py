@@ -195,3 +195,23 @@ def test_stop_strings_cut_the_output_exactly(model_dir):
     kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
                                                   include_stop_str_in_output=True))[0].outputs[0]
     assert kept.text == full[: full.find(stop) + len(stop)]
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_output(model_dir):
+    llm = make_llm(model_dir)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    assert plain.finish_reason == "length" and plain.stop_reason is None
+    stop = plain.text[len(plain.text) // 2: len(plain.text) // 2 + 3]
+    by_string = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                       stop=["never in it \x00", stop]))[0].outputs[0]
+    assert by_string.finish_reason == "stop" and by_string.stop_reason == stop
+    token = plain.token_ids[5]
+    by_token = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                      stop_token_ids=[token]))[0].outputs[0]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == token
+    assert by_token.token_ids == plain.token_ids[: plain.token_ids.index(token) + 1]
+    llm.engine.eos_token_ids = frozenset({token})  # the same token as the model's EOS: no stop reason (vLLM's rule)
+    at_eos = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert at_eos.finish_reason == "stop" and at_eos.stop_reason is None
+    assert at_eos.token_ids == by_token.token_ids

@@ -99,12 +99,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if user.strip() in ("/exit", "/quit"):
             return 0
         messages.append({"role": "user", "content": user})
-        reply = []
+        reply, m = [], {}
         for delta in llm.stream_chat(messages, params):
             print(delta.text, end="", flush=True)
             reply.append(delta.text)
+            if delta.output is not None:
+                m = delta.output.metrics
         print()
-        m = llm.last_output.metrics
         print(f"[{m['num_generated_tokens']} tokens, {m.get('decode_tokens_per_s', 0):.1f} tokens/s]",
               file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(reply)})

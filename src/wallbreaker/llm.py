@@ -205,7 +205,8 @@ class LLM:
         return outputs
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """One request, its new text yielded as it is generated (the CLI's chat uses this)."""
+        """One request, its new text yielded as it is generated; the last delta carries the whole
+        `RequestOutput` (`delta.output`, with its metrics). The CLI's chat uses this."""
         text, token_ids = self.encode(prompt)
         yield from self._stream(text, token_ids, sampling_params or SamplingParams(), _cache_salt(prompt))
 
@@ -216,14 +217,19 @@ class LLM:
     def _stream(self, text, token_ids, params, cache_salt: str | None = None) -> Iterator[StreamDelta]:
         rid = self.engine.add_request(token_ids, params, prompt=text, cache_salt=cache_salt)
         try:
-            while not self.engine.requests[rid].finished:
-                for delta in self.engine.step():
-                    if delta.request_id == rid:
-                        yield delta
-            failure = self.engine.requests[rid].failure
-            self.last_output = self.engine.pop_finished(rid)
-            if failure is not None:
-                _raise_step_failure([failure], 1)
+            while True:
+                mine = [delta for delta in self.engine.step() if delta.request_id == rid]
+                request = self.engine.requests[rid]
+                if not request.finished:
+                    yield from mine
+                    continue
+                output = self.engine.pop_finished(rid)
+                if mine:
+                    mine[-1].output = output
+                yield from mine
+                if request.failure is not None:
+                    _raise_step_failure([request.failure], 1)
+                return
         finally:
             self.engine.abort(rid)
 

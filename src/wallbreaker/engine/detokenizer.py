@@ -56,6 +56,7 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded but held back: it may be the start of a stop string
         self._stopped = False
         self._finished = False
+        self.stop_string: str | None = None  # the stop string that cut the output, once one did
 
     @property
     def stopped(self) -> bool:
@@ -120,6 +121,7 @@ class IncrementalDetokenizer:
             start = self._pending.find(s, max(0, old_len - len(s) + 1))
             if start != -1 and (best is None or (start + len(s), start) < best):
                 best = (start + len(s), start)
+                self.stop_string = s
         if best is None:
             return None
         end, start = best

@@ -322,9 +322,12 @@ class LLMEngine:
         """The text this token adds to the output, and the finish reason if it ends the sequence."""
         params = seq.params
         if token in seq.stop_token_ids:
+            if token in (params.stop_token_ids or ()):  # the model's own EOS leaves it None, as in vLLM
+                seq.stop_reason = token
             return "", "stop"
         text = seq.detokenizer.push(token)
         if seq.detokenizer.stopped:
+            seq.stop_reason = seq.detokenizer.stop_string
             return text, "stop"
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return text, "length"
@@ -340,7 +343,8 @@ class LLMEngine:
             want_logprobs = seq.params.logprobs is not None
             outputs.append(CompletionOutput(
                 index=seq.index, text=seq.detokenizer.text(), token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason, cumulative_logprob=float(sum(seq.logprobs)),
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                cumulative_logprob=float(sum(seq.logprobs)),
                 logprobs=list(seq.logprobs) if want_logprobs else None,
                 top_logprobs=list(seq.top_logprobs) if want_logprobs else None))
         return RequestOutput(request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,

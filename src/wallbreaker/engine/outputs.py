@@ -14,7 +14,7 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     logprobs: list[float] | None = None  # the chosen token's logprob, per token (when asked)
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it; None for EOS
 
 
 @dataclass
@@ -38,3 +38,4 @@ class StreamDelta:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str | None
+    output: RequestOutput | None = None  # on a stream's last delta (`LLM.stream`): the whole output, metrics too

@@ -50,6 +50,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS, length)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, first admission

@@ -61,8 +61,8 @@ def _qh32(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """out = q * scale, q an integer tensor. Widening first then multiplying in place is several times
-    faster than torch's mixed-dtype multiply, and exact since the widening is."""
+    """out = q * scale, q an integer tensor. Widening first then multiplying in place is faster than
+    torch's mixed-dtype multiply, and exact since the widening is."""
     out.copy_(q)
     return out.mul_(scale)
 

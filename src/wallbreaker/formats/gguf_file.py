@@ -62,7 +62,7 @@ class _GuardedReader(gguf.GGUFReader):
     - `_get` refuses any read past the end of the file. The stock reader returns a short (even
       empty) array there, so an array field that claims 2**64 scalar elements loops forever.
     - A metadata array is kept as one byte span (`parts[-1]`) rather than one numpy view per
-      element: the stock reader spends seconds, and ~100 bytes per element, on a 49152-token vocab.
+      element: the stock reader's view per element costs time and memory on every token of a vocab.
       (So `ReaderField.contents()` does not apply to array fields here; `_value` decodes them.)
     - Tensor infos are left unbuilt in `tensor_fields`; `open_gguf` validates them itself.
     """

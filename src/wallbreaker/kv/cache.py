@@ -5,7 +5,7 @@ attention multiplies with, without a transposing copy.
 
 Zero-filled (attention masks the unused slots of a gathered block; a masked zero contributes
 nothing where garbage could be NaN) and touched up front: a first write to a fresh page costs a
-page fault, which showed up as a tenth of a batched decode step."""
+page fault, which the first decode steps would otherwise pay."""
 from __future__ import annotations
 
 import psutil
@@ -38,7 +38,7 @@ class KVCache:
         return self.tensor.numel() * self.tensor.element_size()
 
 
-DEFAULT_MAX_GB = 2.0  # zeroed at start: about half a second
+DEFAULT_MAX_GB = 2.0  # zeroed at start, so the default stays modest
 
 
 def scale_bytes(dtype: torch.dtype) -> int:

@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrent-prompt-tokens", type=int, default=128)
     p.add_argument("--concurrent-tokens", type=int, default=128)
     p.add_argument("--hf-tokens", type=int, default=32,
-                   help="tokens transformers decodes (it is ~10x slower: batch 1, one run)")
+                   help="tokens transformers decodes (it is far slower: batch 1, one run)")
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write a bar chart (PNG) here")
 
@@ -153,7 +153,7 @@ class TransformersBaseline:
         self.ids = lambda n, tag: prompt_ids(tokenizer, n, tag)
         self.hf.timed_generate(self.model, self.ids(16, "warm-up hf"), 2)
         self.notes = [f"transformers: float32 (dequantized), loaded in {load_s:.1f} s; batch 1 only, one run, "
-                      f"{args.hf_tokens} decoded tokens (it is ~10x slower)"]
+                      f"{args.hf_tokens} decoded tokens"]
 
     def measure(self, rep: int) -> dict[str, float | None]:
         a = self.args

@@ -8,9 +8,9 @@ X (see `fold.py`), which makes the scaling free at run time.
 
 Then (`clip`, on by default as in llm-awq), as llm-awq's `auto_clip`, each group of each row is
 clipped to a shrunk range ±r·max|w| (r from 1 down to 0.5), r chosen per group to minimise that
-group's output error. It lowers every Linear's output error by 25-30%, on calibration and held-out
-tokens alike, and at 3 bits it helps SmolLM2 (perplexity 37.1 against 53.4 without), but it hurts
-Qwen2.5-Coder-1.5B (17.29 against 16.57; BENCHMARKS.md), hence the switch.
+group's output error. It lowers every Linear's output error on calibration and held-out tokens
+alike, yet what that does to perplexity depends on the model (it helps SmolLM2 at 3 bits and hurts
+Qwen2.5-Coder-1.5B: docs/awq.md has the figures), hence the switch.
 
 Output errors are measured over every calibration token at once through the inputs' Gram matrix
 G = XᵀX/n: the mean squared output error of a weight change Δ [out, in] is Σ (Δ G ⊙ Δ) / out.

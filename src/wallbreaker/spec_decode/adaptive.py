@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from collections import deque
 
+# Weight of the newest step in the moving averages of step times. Times follow the machine (a
+# neighbour's load comes and goes), so they weigh the newest more than a sequence's acceptance rate
+# does (engine/sequence.py ACCEPTANCE_SMOOTHING), which follows the text.
+TIMING_SMOOTHING = 0.3
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
@@ -19,7 +24,8 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class SpecLengthController:
-    def __init__(self, max_k: int, adaptive: bool = True, smoothing: float = 0.3, explore_every: int = 16):
+    def __init__(self, max_k: int, adaptive: bool = True, smoothing: float = TIMING_SMOOTHING,
+                 explore_every: int = 16):
         self.max_k = max_k
         self.adaptive = adaptive
         self.smoothing = smoothing
