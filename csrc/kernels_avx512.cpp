@@ -1,7 +1,10 @@
-// The avx512 level: AVX-512 F/BW/VL with VNNI (e.g. AMD Zen 4, Intel Ice Lake and later).
-// 32-blocks two at a time in a 512-bit register, products by _mm512_dpbusd_epi32 (unsigned codes x
-// signed activations straight into int32); 256-blocks 64 values at a time, sub-block scales applied
-// by _mm512_dpwssd_epi32. No torch header here, and everything has internal linkage (see qblocks.inc).
+// The avx512 level: AVX-512 F/BW/VL/DQ with VNNI (e.g. AMD Zen 4/5, Intel Ice Lake and later).
+// 32-blocks four at a time: one 64-byte load holds 4 blocks' codes, both nibbles of it meet the
+// activations in group order (qkernels.h) by two _mm512_dpbusd_epi32, and each 128-bit lane of the
+// int32 sums is one block, scaled by one permute of d_w·d_x. 256-blocks 128 values at a time, the
+// sub-block scales applied by _mm512_dpwssd_epi32, the headers of up to 4 weight rows decoded
+// together in the lanes of one register. No torch header here, and everything has internal linkage
+// (see qblocks.inc).
 #include "qkernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -35,196 +38,361 @@ inline float hsum16(__m512 v) {
   return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
-inline float dotf(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
-  }
-  return hsum16(acc);
+// The sum of each 128-bit lane: [sum lane 0, .., sum lane 3].
+inline __m128 lanesums(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v));
 }
 
+// [hsum a, hsum b, hsum c, hsum d]
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  return lanesums(_mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD)));
+}
+
+inline __mmask64 bytes_mask(int64_t n) { return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1); }
+
 // ---- activations ------------------------------------------------------------------------------
-void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int bs, int8_t* q, int64_t ldq,
-                   float* d, float* s, int16_t* bsums, int64_t ldb) {
+// One block of 32 or 256 values: d = amax/127, q = round-half-even(x/d) (|q| <= 127).
+inline float block_scale(const float* xb, int n, __m512& mul) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+  const float amax = _mm512_reduce_max_ps(mx);
+  mul = _mm512_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+  return amax / 127.0f;
+}
+
+inline __m512i q16(const float* x, __m512 mul) {
+  return _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// 32-blocks, q in group order (qkernels.h).
+void quantize32(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq, float* d,
+                float* s, int64_t ldb) {
+  const int64_t nb = K / 32;
   for (int64_t m = m0; m < m1; m++) {
-    for (int64_t b = 0; b < K / bs; b++) {
-      const float* xb = x + m * ldx + b * bs;
-      __m512 mx = _mm512_setzero_ps();
-      for (int i = 0; i < bs; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
-      const float amax = _mm512_reduce_max_ps(mx);
-      const float dd = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-      const __m512 mul = _mm512_set1_ps(id);
-      int8_t* qb = q + m * ldq + b * bs;
-      int total = 0;
-      for (int c = 0; c < bs; c += 16) {
-        const __m512 f = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + c), mul),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i v = _mm512_cvtps_epi32(f);
-        const int t = _mm512_reduce_add_epi32(v);
-        if (bsums) bsums[(m * ldb + b) * 16 + c / 16] = (int16_t)t;
-        total += t;
-        _mm_storeu_si128((__m128i*)(qb + c), _mm512_cvtsepi32_epi8(v));
-      }
+    for (int64_t b = 0; b < nb; b++) {
+      const float* xb = x + m * ldx + b * 32;
+      __m512 mul;
+      const float dd = block_scale(xb, 32, mul);
+      const __m512i v0 = q16(xb, mul), v1 = q16(xb + 16, mul);
+      const int64_t g = b / 4, i = b % 4, G = nb - 4 * g < 4 ? nb - 4 * g : 4;
+      int8_t* qg = q + m * ldq + 128 * g;
+      _mm_storeu_si128((__m128i*)(qg + 16 * i), _mm512_cvtsepi32_epi8(v0));
+      _mm_storeu_si128((__m128i*)(qg + 16 * G + 16 * i), _mm512_cvtsepi32_epi8(v1));
       d[m * ldb + b] = dd;
-      if (s) s[m * ldb + b] = dd * (float)total;
+      s[m * ldb + b] = dd * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
     }
   }
 }
 
-void quantize32(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq, float* d,
-                float* s, int64_t ldb) {
-  quantize_rows(x, ldx, m0, m1, K, 32, q, ldq, d, s, nullptr, ldb);
-}
-
-void quantize256(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq, float* d,
-                 int16_t* bsums, int64_t ldb) {
-  quantize_rows(x, ldx, m0, m1, K, 256, q, ldq, d, nullptr, bsums, ldb);
+// 256-blocks: q natural, qk with the 2nd and 3rd 32 of every 128 swapped, bsums per 16 and per 32.
+void quantize256(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int8_t* qk, int64_t ldq,
+                 float* d, int16_t* bsums, int16_t* bsums32, int64_t ldb) {
+  for (int64_t m = m0; m < m1; m++) {
+    for (int64_t b = 0; b < K / 256; b++) {
+      const float* xb = x + m * ldx + b * 256;
+      __m512 mul;
+      const float dd = block_scale(xb, 256, mul);
+      int8_t* qb = q + m * ldq + b * 256;
+      int8_t* kb = qk + m * ldq + b * 256;
+      int16_t* bs = bsums + (m * ldb + b) * 16;
+      int16_t* bs32 = bsums32 + (m * ldb + b) * 8;
+      for (int c = 0; c < 256; c += 32) {
+        const __m512i v0 = q16(xb + c, mul), v1 = q16(xb + c + 16, mul);
+        const int t0 = _mm512_reduce_add_epi32(v0), t1 = _mm512_reduce_add_epi32(v1);
+        bs[c / 16] = (int16_t)t0;
+        bs[c / 16 + 1] = (int16_t)t1;
+        bs32[c / 32] = (int16_t)(t0 + t1);
+        const __m256i p = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtsepi32_epi8(v0)),
+                                                  _mm512_cvtsepi32_epi8(v1), 1);
+        _mm256_storeu_si256((__m256i*)(qb + c), p);
+        const int r = c % 128, swapped = r == 32 ? 64 : r == 64 ? 32 : r;
+        _mm256_storeu_si256((__m256i*)(kb + c - r + swapped), p);
+      }
+      d[m * ldb + b] = dd;
+    }
+  }
 }
 
 // ---- 32-blocks --------------------------------------------------------------------------------
-// Row layout: see qblocks.inc (d of every block, m of every block, then codes block after block).
-// All codes unsigned for vpdpbusd: Q8_0's signed codes are shifted by 128 (its offset c = -128 d).
+// Row layout: see qblocks.inc. All codes unsigned for vpdpbusd: Q8_0's signed codes are shifted by
+// 128 (its offset c = -128 d). Offset and min terms: sum_b c_b s_b, one fmadd per 16 blocks.
 template <int QT> constexpr int kQB = QT == Q8_0 ? 32 : (QT == Q5_0 || QT == Q5_1) ? 20 : 16;
-template <int QT> constexpr float kOffset = QT == Q4_0 ? -8.0f : QT == Q5_0 ? -16.0f : QT == Q8_0 ? -128.0f : 0.0f;
+template <int QT> constexpr float kOffset = QT == Q4_0 ? -8.0f : QT == Q5_0 ? -16.0f : QT == Q8_0 ? -128.0f : 1.0f;
 template <int QT> constexpr bool kHasMin = QT == Q4_1 || QT == Q5_1;
 
-inline __m256i nib32(const uint8_t* qs) {
-  const __m128i t = _mm_loadu_si128((const __m128i*)qs);
-  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
-  return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-}
-
-template <int QT>
-inline __m256i codes32(const uint8_t* q) {  // q: the code bytes of one block
-  if (QT == Q4_0 || QT == Q4_1) return nib32(q);
+// The codes of one group (G blocks, G = 4 but in a row's last group) as two registers: lo (each
+// block's values 0..15 in 128-bit lane i) and hi (values 16..31), zero past G.
+template <int QT, bool FULL>
+inline void group_codes(const uint8_t* c, int64_t G, __m512i& lo, __m512i& hi) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if (QT == Q8_0) {
+    const __m512i f = _mm512_set1_epi8((char)0x80);
+    if (FULL) {
+      lo = _mm512_xor_si512(_mm512_loadu_si512(c), f);
+      hi = _mm512_xor_si512(_mm512_loadu_si512(c + 64), f);
+    } else {
+      const __mmask64 k = bytes_mask(16 * G);
+      lo = _mm512_maskz_xor_epi32((__mmask16)((1u << (4 * G)) - 1), _mm512_maskz_loadu_epi8(k, c), f);
+      hi = _mm512_maskz_xor_epi32((__mmask16)((1u << (4 * G)) - 1), _mm512_maskz_loadu_epi8(k, c + 16 * G), f);
+    }
+    return;
+  }
+  const uint8_t* qs = (QT == Q5_0 || QT == Q5_1) ? c + 4 * G : c;
+  const __m512i v = FULL ? _mm512_loadu_si512(qs) : _mm512_maskz_loadu_epi8(bytes_mask(16 * G), qs);
+  lo = _mm512_and_si512(v, m4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
   if (QT == Q5_0 || QT == Q5_1) {
-    uint32_t qh;
-    memcpy(&qh, q, 4);
-    return _mm256_or_si256(nib32(q + 4), _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
+    uint64_t hl = 0, hh = 0;
+    if (FULL) {
+      memcpy(&hl, c, 8);
+      memcpy(&hh, c + 8, 8);
+    } else {
+      memcpy(&hl, c, 2 * G);
+      memcpy(&hh, c + 2 * G, 2 * G);
+    }
+    const __m512i b4 = _mm512_set1_epi8(0x10);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(hl), lo, b4);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(hh), hi, b4);
   }
-  return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)q), _mm256_set1_epi8((char)0x80));
 }
 
-template <int QT>
-inline __m512i codes64(const uint8_t* q) {  // two consecutive blocks: bytes 0..31 and 32..63
-  if (QT == Q8_0) return _mm512_xor_si512(_mm512_loadu_si512((const void*)q), _mm512_set1_epi8((char)0x80));
-  __m256i y;
-  if (QT == Q4_0 || QT == Q4_1) {
-    y = _mm256_loadu_si256((const __m256i*)q);
-  } else {
-    y = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(q + 4))),
-                                _mm_loadu_si128((const __m128i*)(q + 24)), 1);
+template <int QT, int MT, int NT, bool FULL>
+inline void group_dot(const uint8_t* w, int64_t row_bytes, int64_t qoff, const ActQ8& a, int64_t m, int64_t g,
+                      int64_t G, __m512i idx, const __m512* dw, const __m512* dx, __m512 (*acc)[NT]) {
+  constexpr int QB = kQB<QT>;
+  const __mmask64 kx = bytes_mask(16 * G);
+  for (int j = 0; j < NT; j++) {
+    __m512i lo, hi;
+    group_codes<QT, FULL>(w + j * row_bytes + qoff + 4 * g * QB, G, lo, hi);
+    const __m512 sw = _mm512_permutexvar_ps(idx, dw[j]);
+    for (int i = 0; i < MT; i++) {
+      const int8_t* xq = a.q + (m + i) * a.ldq + 128 * g;
+      const __m512i xl = FULL ? _mm512_loadu_si512(xq) : _mm512_maskz_loadu_epi8(kx, xq);
+      const __m512i xh = FULL ? _mm512_loadu_si512(xq + 64) : _mm512_maskz_loadu_epi8(kx, xq + 16 * G);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
+      const __m512 sc = MT == 1 ? sw : _mm512_mul_ps(sw, _mm512_permutexvar_ps(idx, dx[i]));
+      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[i][j]);
+    }
   }
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(y, m4)),
-                                       _mm256_and_si256(_mm256_srli_epi16(y, 4), m4), 1);
-  __m512i r = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));  // lo0 hi0 lo1 hi1
-  if (QT == Q5_0 || QT == Q5_1) {
-    uint32_t h0, h1;
-    memcpy(&h0, q, 4);
-    memcpy(&h1, q + 20, 4);
-    const __mmask64 k = (__mmask64)h0 | ((__mmask64)h1 << 32);
-    r = _mm512_or_si512(r, _mm512_maskz_mov_epi8(k, _mm512_set1_epi8(0x10)));
-  }
-  return r;
-}
-
-inline __m512 halves16(const uint8_t* p, int64_t cnt) {  // cnt (<= 16) float16 -> float32, zeros after
-  const __mmask16 k = (__mmask16)((1u << cnt) - 1);
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
-}
-
-// sum_b c_b s_b over the row: the offset (Q4_0, Q5_0, Q8_0: a multiple of d) or min (Q4_1, Q5_1) terms
-template <int QT>
-inline float offset_dot(const uint8_t* row, int64_t nb, const float* s) {
-  const uint8_t* c = row + (kHasMin<QT> ? 2 * nb : 0);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < nb; g += 16) {
-    const int64_t cnt = nb - g < 16 ? nb - g : 16;
-    acc = _mm512_fmadd_ps(halves16(c + 2 * g, cnt), _mm512_loadu_ps(s + g), acc);  // s is zero-padded
-  }
-  return hsum16(acc) * (kHasMin<QT> ? 1.0f : kOffset<QT>);
 }
 
 template <int QT, int MT, int NT>
-void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo,
-              float*) {
-  constexpr int QB = kQB<QT>;
+void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb;
   __m512 acc[MT][NT];
   for (int i = 0; i < MT; i++)
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < nb; g += 16) {
-    const int64_t cnt = nb - g < 16 ? nb - g : 16;
+  const __m512i idx0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t nfull = nb / 4;  // full groups
+  for (int64_t g16 = 0; g16 < nb; g16 += 16) {
+    const int64_t cnt = nb - g16 < 16 ? nb - g16 : 16;
+    const __mmask16 k16 = (__mmask16)((1u << cnt) - 1);
     __m512 dw[NT], dx[MT];
-    for (int j = 0; j < NT; j++) dw[j] = halves16(w + j * row_bytes + 2 * g, cnt);
-    for (int i = 0; i < MT; i++) dx[i] = _mm512_loadu_ps(a.d + (m + i) * a.ldb + g);  // zero-padded
-    int64_t p = 0;
-    for (; p + 2 <= cnt; p += 2) {
-      const __m512i idx = _mm512_set_epi32(p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p + 1, p, p, p, p, p, p, p, p);
-      __m512 dxp[MT];
-      for (int i = 0; i < MT; i++) dxp[i] = _mm512_permutexvar_ps(idx, dx[i]);
+    for (int i = 0; i < MT; i++) {
+      dx[i] = _mm512_loadu_ps(a.d + (m + i) * a.ldb + g16);  // zero-padded to 16
+      const __m512 sx = _mm512_mul_ps(_mm512_loadu_ps(a.s + (m + i) * a.ldb + g16), _mm512_set1_ps(kOffset<QT>));
       for (int j = 0; j < NT; j++) {
-        const __m512i q = codes64<QT>(w + j * row_bytes + qoff + (g + p) * QB);
-        const __m512 dwp = _mm512_permutexvar_ps(idx, dw[j]);
-        for (int i = 0; i < MT; i++) {
-          const __m512i x = _mm512_loadu_si512((const void*)(a.q + (m + i) * a.ldq + (g + p) * 32));
-          const __m512i p32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p32), _mm512_mul_ps(dwp, dxp[i]), acc[i][j]);
-        }
+        const uint8_t* c = w + j * row_bytes + (kHasMin<QT> ? 2 * nb : 0) + 2 * g16;
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k16, c)), sx, acc[i][j]);
       }
     }
-    if (p < cnt) {  // an odd last block
-      const int64_t b = g + p;
-      for (int j = 0; j < NT; j++) {
-        const uint8_t* row = w + j * row_bytes;
-        const __m256i q = codes32<QT>(row + qoff + b * QB);
-        const float d = half_f16c(row + 2 * b);
-        for (int i = 0; i < MT; i++) {
-          const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + (m + i) * a.ldq + b * 32));
-          const __m256i p32 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
-          const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * a.d[(m + i) * a.ldb + b]));
-          acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_zextps256_ps512(f));
-        }
-      }
+    for (int j = 0; j < NT; j++) {
+      dw[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k16, w + j * row_bytes + 2 * g16));
+      if (MT == 1) dw[j] = _mm512_mul_ps(dw[j], dx[0]);
+    }
+    const int64_t gend = (g16 + cnt) / 4 < nfull ? (g16 + cnt) / 4 : nfull;
+    int64_t g = g16 / 4;
+    for (; g < gend; g++) {
+      const __m512i idx = _mm512_add_epi32(idx0, _mm512_set1_epi32((int)(4 * (g % 4))));
+      group_dot<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, idx, dw, dx, acc);
+    }
+    if (4 * g < g16 + cnt) {  // the row's last group, short
+      const __m512i idx = _mm512_add_epi32(idx0, _mm512_set1_epi32((int)(4 * (g % 4))));
+      group_dot<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, nb - 4 * g, idx, dw, dx, acc);
     }
   }
-  for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++)
-      out[(m + i) * ldo + j] = hsum16(acc[i][j]) + offset_dot<QT>(w + j * row_bytes, nb, a.s + (m + i) * a.ldb);
+  for (int i = 0; i < MT; i++) {
+    if (NT == 4) {
+      _mm_storeu_ps(out + (m + i) * ldo, hsum4(acc[i][0], acc[i][NT > 1 ? 1 : 0], acc[i][NT > 2 ? 2 : 0], acc[i][NT > 3 ? 3 : 0]));
+    } else {
+      for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]);
+    }
+  }
 }
 
 // ---- 256-blocks -------------------------------------------------------------------------------
-// Codes of 64-element chunk c (0..3) of a block, unsigned, natural order.
+template <int QT> constexpr int kBB = QT == Q2_K ? 84 : QT == Q3_K ? 110 : QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
+
+// 16 bytes at `off` of up to 4 rows, row j in 128-bit lane j (lanes past NT zero).
+template <int NT>
+inline __m512i lanes128(const uint8_t* w, int64_t row_bytes, int64_t off) {
+  __m512i v = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i*)(w + off)));
+  if (NT > 1) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(w + row_bytes + off)), 1);
+  if (NT > 2) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(w + 2 * row_bytes + off)), 2);
+  if (NT > 3) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(w + 3 * row_bytes + off)), 3);
+  return v;
+}
+
+// Q4_K/Q5_K header lanes [d dmin s0..s11] -> lanes [8 scales, 8 mins] (bytes, 6 bits each).
+inline __m512i k4_scales_mins(__m512i H) {
+  const __m512i A = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i B = _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+  const __m512i sh = _mm512_broadcast_i32x4(_mm_setr_epi16(0, 0, 0, 0, 0, 0, 4, 4));
+  const __m512i mk = _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  const __m512i t1 = _mm512_srlv_epi16(_mm512_shuffle_epi8(H, A), sh);
+  const __m512i t2 = _mm512_and_si512(_mm512_srli_epi16(_mm512_shuffle_epi8(H, B), 2), _mm512_set1_epi8(0x30));
+  return _mm512_ternarylogic_epi32(t1, mk, t2, 0xEA);  // (t1 & mk) | t2
+}
+
+// Q4_K/Q5_K: the int16 scale vector of 64-value chunk k (0..3, in qk order: lanes 0-1 sub-block
+// sa, lanes 2-3 sub-block sa + 2, sa = 4 (k / 2) + k % 2) from a row's [scales, mins] lane broadcast.
+inline __m512i k4_scale_ctrl(int k) {
+  const int sa = 4 * (k / 2) + k % 2;
+  const __m128i lo = _mm_set1_epi16((short)(0x8000 | sa)), hi = _mm_set1_epi16((short)(0x8000 | (sa + 2)));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(lo, lo)), _mm256_set_m128i(hi, hi), 1);
+}
+
+// Q6_K: int16 index vector picking sub-block 4k + lane of 16 int16 scales
+inline __m512i k6_scale_idx(int k) {
+  const __m256i lo = _mm256_set_m128i(_mm_set1_epi16(1), _mm_set1_epi16(0));
+  const __m256i hi = _mm256_set_m128i(_mm_set1_epi16(3), _mm_set1_epi16(2));
+  return _mm512_add_epi16(_mm512_set1_epi16((short)(4 * k)), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
+// Codes of one row's block, 4 chunks of 64 values (Q4_K/Q5_K: in qk order; Q6_K: natural).
+template <int QT>
+inline void kcodes(const uint8_t* p, __m512i* q) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if (QT == Q4_K || QT == Q5_K) {
+    const uint8_t* qs = p + (QT == Q4_K ? 16 : 48);
+    for (int h = 0; h < 2; h++) {
+      const __m512i v = _mm512_loadu_si512(qs + 64 * h);
+      q[2 * h] = _mm512_and_si512(v, m4);
+      q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    if (QT == Q5_K) {
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 16)));
+      const __m512i b4 = _mm512_set1_epi8(0x10);
+      for (int k = 0; k < 4; k++) {
+        const int sa = 4 * (k / 2) + k % 2;  // sub-blocks sa (bytes 0..31) and sa + 2 (32..63)
+        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << sa)), _mm256_set1_epi8((char)(1 << (sa + 2))), 1);
+        q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(qh, bit), q[k], b4);
+      }
+    }
+  } else {  // Q6_K: ql[128], qh[64]
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    const __m512i rl = _mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(2), 1);
+    const __m512i rh = _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(30), 1);
+    for (int h = 0; h < 2; h++) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h)));
+      q[2 * h] = _mm512_ternarylogic_epi32(v, m4, _mm512_and_si512(_mm512_rolv_epi32(qh, rl), m30), 0xEA);
+      q[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m4, _mm512_and_si512(_mm512_rolv_epi32(qh, rh), m30), 0xEA);
+    }
+  }
+}
+
+template <int QT, int MT, int NT>
+void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  // Q4_K, Q5_K: w = D sc q - Dm mn per 32 values; activations in qk order.
+  __m512 acc[MT][NT], accm[MT];
+  for (int i = 0; i < MT; i++) {
+    accm[i] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+  }
+  const __m512i mnctrl = _mm512_broadcast_i32x4(_mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1));
+  const __m512i dmidx = _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+  const __m512i ddidx = _mm512_zextsi128_si512(_mm_setr_epi16(0, 8, 16, 24, 1, 9, 17, 25));
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* wb = w + b * kBB<QT>;
+    const __m512i H = lanes128<NT>(wb, row_bytes, 0);
+    const __m512i R = k4_scales_mins(H);
+    // [D_0..D_3, Dm_0..Dm_3]
+    const __m256 DD = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(ddidx, H)));
+    const __m512i MN = _mm512_shuffle_epi8(R, mnctrl);  // lane j: row j's 8 mins as int16
+    alignas(32) float ddx[MT][8];
+    for (int i = 0; i < MT; i++) {
+      const int64_t ab = (m + i) * a.ldb + b;
+      const __m256 dd = _mm256_mul_ps(DD, _mm256_set1_ps(a.d[ab]));
+      _mm256_store_ps(ddx[i], dd);
+      const __m512i bs = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(a.bsums32 + ab * 8)));
+      const __m512 dm = _mm512_permutexvar_ps(dmidx, _mm512_castps256_ps512(dd));
+      accm[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(MN, bs)), dm, accm[i]);
+    }
+    for (int j = 0; j < NT; j++) {
+      const __m512i Rj = _mm512_shuffle_i32x4(R, R, j * 0x55);
+      __m512i q[4], sv[4];
+      kcodes<QT>(wb + j * row_bytes, q);
+      for (int k = 0; k < 4; k++) sv[k] = _mm512_shuffle_epi8(Rj, k4_scale_ctrl(k));
+      for (int i = 0; i < MT; i++) {
+        const int8_t* xq = a.qk + (m + i) * a.ldq + b * 256;
+        __m512i isum = _mm512_setzero_si512();
+        for (int k = 0; k < 4; k++)
+          isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(xq + 64 * k)), sv[k]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(ddx[i][j]), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; i++) {
+    const __m128 mins = lanesums(accm[i]);
+    if (NT == 4) {
+      _mm_storeu_ps(out + (m + i) * ldo, _mm_sub_ps(hsum4(acc[i][0], acc[i][NT > 1 ? 1 : 0], acc[i][NT > 2 ? 2 : 0],
+                                                          acc[i][NT > 3 ? 3 : 0]), mins));
+    } else {
+      alignas(16) float mn[4];
+      _mm_store_ps(mn, mins);
+      for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]) - mn[j];
+    }
+  }
+}
+
+template <int QT, int MT, int NT>
+void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  // Q6_K: w = D sc (q - 32) per 16 values; activations natural.
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; i++)
+    for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* wb = w + b * kBB<QT>;
+    for (int j = 0; j < NT; j++) {
+      const uint8_t* p = wb + j * row_bytes;
+      const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 192)));
+      const __m512i S = _mm512_castsi256_si512(s16);
+      const float D = half_f16c(p + 208);
+      __m512i q[4], sv[4];
+      kcodes<QT>(p, q);
+      for (int k = 0; k < 4; k++) sv[k] = _mm512_permutexvar_epi16(k6_scale_idx(k), S);
+      for (int i = 0; i < MT; i++) {
+        const int64_t ab = (m + i) * a.ldb + b;
+        const int8_t* xq = a.q + (m + i) * a.ldq + b * 256;
+        const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i*)(a.bsums + ab * 16))), 5);
+        __m512i isum = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), off));
+        for (int k = 0; k < 4; k++)
+          isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(xq + 64 * k)), sv[k]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(D * a.d[ab]), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; i++) {
+    if (NT == 4) {
+      _mm_storeu_ps(out + (m + i) * ldo, hsum4(acc[i][0], acc[i][NT > 1 ? 1 : 0], acc[i][NT > 2 ? 2 : 0], acc[i][NT > 3 ? 3 : 0]));
+    } else {
+      for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]);
+    }
+  }
+}
+
+// Q2_K, Q3_K: codes of 64-element chunk c (0..3) of a block, unsigned, natural order.
 inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 
 template <int QT>
-inline __m512i codesk(const uint8_t* p, int c) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
-  if (QT == Q4_K || QT == Q5_K) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + (QT == Q4_K ? 16 : 48) + 32 * c));
-    __m512i q = join(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-    if (QT == Q5_K) {
-      const __m256i hv = _mm256_loadu_si256((const __m256i*)(p + 16));
-      const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(2 * c)), m1);
-      const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(2 * c + 1)), m1);
-      q = _mm512_or_si512(q, _mm512_slli_epi16(join(h0, h1), 4));
-    }
-    return q;
-  }
+inline __m512i codes_k23(const uint8_t* p, int c) {
+  const __m256i m2 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
   const int h = c / 2, r = c % 2;
-  if (QT == Q6_K) {
-    const __m512i v = _mm512_loadu_si512((const void*)(p + h * 64));
-    const __m512i lo = r ? _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))
-                         : _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-    const __m256i hv = _mm256_loadu_si256((const __m256i*)(p + 128 + h * 32));
-    const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(4 * r)), m2);
-    const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(4 * r + 2)), m2);
-    return _mm512_or_si512(lo, _mm512_slli_epi16(join(h0, h1), 4));
-  }
   const __m256i v = _mm256_loadu_si256((const __m256i*)(p + (QT == Q3_K ? 32 : 16) + h * 32));
   const __m256i l0 = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * r)), m2);
   const __m256i l1 = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * r + 2)), m2);
@@ -239,15 +407,14 @@ inline __m512i codesk(const uint8_t* p, int c) {
 }
 
 template <int QT, int MT, int NT>
-void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
-  constexpr int BB = QT == Q2_K ? 84 : QT == Q3_K ? 110 : QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
-  constexpr bool same_d = QT == Q6_K || QT == Q3_K;
+void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  constexpr bool same_d = QT == Q3_K;
   __m512 acc[MT][NT];
   for (int i = 0; i < MT; i++)
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     for (int j = 0; j < NT; j++) {
-      const uint8_t* p = w + j * row_bytes + b * BB;
+      const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
       __m256i sc, mn16;
       float D, Dm;
       kscales<QT>(p, sc, mn16, D, Dm);
@@ -255,7 +422,7 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
       __m512i isum[MT];
       for (int i = 0; i < MT; i++) isum[i] = _mm512_setzero_si512();
       for (int c = 0; c < 4; c++) {
-        const __m512i q = codesk<QT>(p, c);
+        const __m512i q = codes_k23<QT>(p, c);
         // int16 lane l = sc[4c + l / 8]
         const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * c)),
                                              _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
@@ -282,6 +449,13 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
   }
   for (int i = 0; i < MT; i++)
     for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]);
+}
+
+template <int QT, int MT, int NT>
+void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  if constexpr (QT == Q4_K || QT == Q5_K) tile_k45<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
+  else if constexpr (QT == Q6_K) tile_k6<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
+  else tile_k23<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
 }
 
 constexpr int MT_MAIN = 4, NT_B32 = 2, NT_K = 2, NT_M1 = 4;

@@ -18,7 +18,7 @@ inline int rne(float v) {
 }
 
 void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int bs, int8_t* q, int64_t ldq,
-                   float* d, float* s, int16_t* bsums, int64_t ldb) {
+                   float* d, float* s, int16_t* bsums, int16_t* bsums32, int64_t ldb) {
   for (int64_t m = m0; m < m1; m++) {
     const float* xr = x + m * ldx;
     for (int64_t b = 0; b < K / bs; b++) {
@@ -40,6 +40,8 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t 
           for (int i = 0; i < 16; i++) t += qb[16 * j + i];
           bsums[(m * ldb + b) * 16 + j] = (int16_t)t;
         }
+        for (int j = 0; j < bs / 32; j++)
+          bsums32[(m * ldb + b) * 8 + j] = (int16_t)(bsums[(m * ldb + b) * 16 + 2 * j] + bsums[(m * ldb + b) * 16 + 2 * j + 1]);
       }
     }
   }
@@ -47,12 +49,12 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t 
 
 void quantize32(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq, float* d,
                 float* s, int64_t ldb) {
-  quantize_rows(x, ldx, m0, m1, K, 32, q, ldq, d, s, nullptr, ldb);
+  quantize_rows(x, ldx, m0, m1, K, 32, q, ldq, d, s, nullptr, nullptr, ldb);
 }
 
-void quantize256(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq, float* d,
-                 int16_t* bsums, int64_t ldb) {
-  quantize_rows(x, ldx, m0, m1, K, 256, q, ldq, d, nullptr, bsums, ldb);
+void quantize256(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int8_t*, int64_t ldq,
+                 float* d, int16_t* bsums, int16_t* bsums32, int64_t ldb) {
+  quantize_rows(x, ldx, m0, m1, K, 256, q, ldq, d, nullptr, bsums, bsums32, ldb);
 }
 
 void matmul_b32(int qt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, const ActQ8& a,

@@ -161,29 +161,33 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
   if (M == 0 || N == 0) return out;
   const wb::Kernels* k = kernels();
 
-  // Quantized activations: [q32 | d32 | s32 | q256 | d256 | bsums256], each part 64-byte aligned.
-  // d and s rows are zero-padded to 16 blocks: the kernels read them 8 or 16 at a time.
+  // Quantized activations: [q32 | d32 | s32 | q256 | qk256 | d256 | bsums256 | bsums32_256], each part
+  // 64-byte aligned. d and s rows are zero-padded to 16 blocks: the kernels read them 8 or 16 at a time.
   const int64_t ldq = round_up(K, 64), ldb32 = round_up(K / 32, 16), ldb256 = K / 256;
   size_t off = 0;
   auto take = [&](size_t n) { size_t at = off; off += round_up((int64_t)n, 64); return at; };
   const size_t oq32 = need32 ? take(M * ldq) : 0, od32 = need32 ? take(M * ldb32 * 4) : 0,
                os32 = need32 ? take(M * ldb32 * 4) : 0;
-  const size_t oq256 = need256 ? take(M * ldq) : 0, od256 = need256 ? take(M * ldb256 * 4) : 0,
-               ob256 = need256 ? take(M * ldb256 * 32) : 0;
+  const size_t oq256 = need256 ? take(M * ldq) : 0, ok256 = need256 ? take(M * ldq) : 0,
+               od256 = need256 ? take(M * ldb256 * 4) : 0, ob256 = need256 ? take(M * ldb256 * 32) : 0,
+               oc256 = need256 ? take(M * ldb256 * 16) : 0;
   uint8_t* ws = t_work.get(off);
   wb::ActQ8 a32{}, a256{};
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   if (need32) {
     memset(ws + od32, 0, 2 * (os32 - od32));  // d32 and s32 (adjacent, same size)
-    a32 = {(int8_t*)(ws + oq32), (float*)(ws + od32), (float*)(ws + os32), nullptr, ldq, ldb32};
+    a32 = {(int8_t*)(ws + oq32), nullptr, (float*)(ws + od32), (float*)(ws + os32), nullptr, nullptr, ldq, ldb32};
   }
   if (need256) {
-    a256 = {(int8_t*)(ws + oq256), (float*)(ws + od256), nullptr, (int16_t*)(ws + ob256), ldq, ldb256};
+    a256 = {(int8_t*)(ws + oq256), (int8_t*)(ws + ok256), (float*)(ws + od256), nullptr, (int16_t*)(ws + ob256),
+            (int16_t*)(ws + oc256), ldq, ldb256};
   }
   auto quantize = [&](int64_t m0, int64_t m1) {
     if (need32) k->quantize32(xp, ldx, m0, m1, K, (int8_t*)a32.q, ldq, (float*)a32.d, (float*)a32.s, ldb32);
-    if (need256) k->quantize256(xp, ldx, m0, m1, K, (int8_t*)a256.q, ldq, (float*)a256.d, (int16_t*)a256.bsums, ldb256);
+    if (need256)
+      k->quantize256(xp, ldx, m0, m1, K, (int8_t*)a256.q, (int8_t*)a256.qk, ldq, (float*)a256.d,
+                     (int16_t*)a256.bsums, (int16_t*)a256.bsums32, ldb256);
   };
   if (M >= 16) at::parallel_for(0, M, 8, quantize);
   else quantize(0, M);

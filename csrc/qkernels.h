@@ -15,24 +15,33 @@ enum QType : int {
 
 // Activations quantized once per matmul to 8 bits, row after row.
 //  32-blocks (for Q4_0..Q8_0): d[b] = amax/127, q = round(x/d); s[b] = d * sum(q) (for the min/offset terms).
-//  256-blocks (for K-quants): d[b] likewise; bsums[16 b + j] = sum of q over its j-th 16 values.
+//    The SIMD levels store q in *group order* (kernels.md): the blocks of a row in groups of 4 (the
+//    last group: the rest), a group's first 16 values of each block, then its last 16 of each block,
+//    so that the low and the high nibbles of 4 blocks' codes (one 64-byte load) meet their
+//    activations in two loads. The generic level keeps the natural order.
+//  256-blocks (for K-quants): natural order; d[b] likewise; bsums[16 b + j] = sum of q over its j-th
+//    16 values, bsums32[8 b + j] over its j-th 32.
 struct ActQ8 {
-  const int8_t* q;       // [M, ldq]
-  const float* d;        // [M, ldb]
-  const float* s;        // [M, ldb] (32-blocks) or nullptr
-  const int16_t* bsums;  // [M, 16 ldb] (256-blocks) or nullptr
-  int64_t ldq;           // bytes between rows of q
-  int64_t ldb;           // blocks between rows of d / s (bsums: 16 ldb)
+  const int8_t* q;         // [M, ldq]
+  const int8_t* qk;        // [M, ldq] 256-blocks, SIMD levels: q with the 2nd and 3rd 32 values of every 128
+                           // swapped (the order of Q4_K/Q5_K's nibbles in a 64-byte load); else nullptr
+  const float* d;          // [M, ldb]
+  const float* s;          // [M, ldb] (32-blocks) or nullptr
+  const int16_t* bsums;    // [M, 16 ldb] (256-blocks) or nullptr
+  const int16_t* bsums32;  // [M, 8 ldb] (256-blocks) or nullptr
+  int64_t ldq;             // bytes between rows of q
+  int64_t ldb;             // blocks between rows of d / s (bsums: 16 ldb, bsums32: 8 ldb)
 };
 
 struct Kernels {
   // x: [M, K] float32 with row stride ldx. K % 32 == 0 (32-blocks) or K % 256 == 0 (256-blocks).
   void (*quantize32)(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq,
                      float* d, float* s, int64_t ldb);
-  void (*quantize256)(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq,
-                      float* d, int16_t* bsums, int64_t ldb);
+  void (*quantize256)(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int8_t* qk,
+                      int64_t ldq, float* d, int16_t* bsums, int16_t* bsums32, int64_t ldb);
   // out[m * ldo + (n - n0)] = sum_k W[n, k] x[m, k] for n in [n0, n1), m in [0, M).
-  // w: the weight rows, each row_bytes of blocks in file order. Returns false for an unknown qtype.
+  // w: the weight rows, each row_bytes: 32-block formats in the kernels' row layout (qblocks.inc,
+  // kernels.pack_rows), K-quants in file order. Returns false for an unknown qtype.
   bool (*matmul)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K,
                  const ActQ8* act, int64_t M, float* out, int64_t ldo);
 };

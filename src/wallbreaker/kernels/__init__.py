@@ -51,18 +51,31 @@ def set_isa(level: str | None) -> None:
 
 def _row_permutation(qtype: T, row_bytes: int) -> torch.Tensor | None:
     """Byte order of a row in the kernels' layout, as indices into the file's order (None: the same).
-    32-block formats: the float16 d of every block, then (Q4_1, Q5_1) every m, then the rest of each
-    block in block order; the K-quants keep the file's order."""
+    32-block formats (csrc/qblocks.inc): the float16 d of every block, then (Q4_1, Q5_1) every m,
+    then the codes in groups of 4 blocks (a row's last group: the rest): Q4_x each block's 16 nibble
+    bytes; Q5_x each block's qh bits 0-15, each block's qh bits 16-31, each block's nibble bytes;
+    Q8_0 each block's first 16 codes, then each block's last 16. The K-quants keep the file's order."""
     qtype = T(qtype)
     if qtype not in BLOCK32_TYPES:
         return None
     _, size = block_info(qtype)
     nb = row_bytes // size
+    sb = _SCALE_BYTES[qtype]
     at = torch.arange(row_bytes).view(nb, size)
     parts = [at[:, :2].reshape(-1)]
-    if _SCALE_BYTES[qtype] == 4:
+    if sb == 4:
         parts.append(at[:, 2:4].reshape(-1))
-    parts.append(at[:, _SCALE_BYTES[qtype]:].reshape(-1))
+    codes = at[:, sb:]
+    # the fields of a block's codes, each laid out for all blocks of a group before the next field
+    fields = {T.Q8_0: [(0, 16), (16, 32)], T.Q5_0: [(0, 2), (2, 4), (4, 20)], T.Q5_1: [(0, 2), (2, 4), (4, 20)]}
+    spans = fields.get(qtype, [(0, 16)])
+    full = nb // 4 * 4
+    if full:
+        g = codes[:full].view(full // 4, 4, -1)
+        parts.append(torch.cat([g[:, :, a:b].reshape(full // 4, -1) for a, b in spans], dim=1).reshape(-1))
+    if full < nb:
+        t = codes[full:]
+        parts.extend(t[:, a:b].reshape(-1) for a, b in spans)
     return torch.cat(parts)
 
 
