@@ -1,4 +1,4 @@
-"""KV-cache waste of paged allocation against contiguous reservation (issue 3).
+"""KV-cache waste of paged allocation against contiguous reservation.
 
 64 requests with prompt and output lengths drawn from a wide distribution (prompts 400-2000
 tokens, outputs 16-512, ignore_eos) are submitted at once. After every engine step we record the
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from wallbreaker.cli import add_engine_flags, engine_options
 from wallbreaker.engine.llm_engine import LLMEngine
 from wallbreaker.engine.scheduler import Scheduler
 from wallbreaker.formats import open_model, resolve_model_path
@@ -42,7 +43,7 @@ class StubRunner:
     """Stands in for ModelRunner: no model, no KV tensors; the same sampling rows, zero logits."""
 
     def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
+        self.vocab_size = self.vocab_limit = vocab_size
 
     def run(self, batch, all_logits: bool = False):
         seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
@@ -61,14 +62,12 @@ def simulated_engine(model: str | None, block_size: int, num_blocks: int, max_nu
     return LLMEngine(StubRunner(cfg.vocab_size), files.tokenizer, block_manager, scheduler, max_len, eos), max_len
 
 
-def real_engine(model: str | None, block_size: int, num_blocks: int, max_num_seqs: int,
-                max_batched_tokens: int, max_model_len: int | None) -> tuple[LLMEngine, int]:
+def real_engine(model: str | None, options: dict, num_blocks: int) -> tuple[LLMEngine, int]:
     from wallbreaker import LLM, EngineConfig
     from wallbreaker.kv.cache import bytes_per_block
-    kv_dtype = getattr(EngineConfig(), "kv_cache_dtype", torch.float32)
-    per_block = bytes_per_block(open_model(model).config, block_size, kv_dtype)
-    llm = LLM(model, kv_block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens,
-              max_model_len=max_model_len, kv_cache_memory_gb=(num_blocks + 0.5) * per_block / 2**30)
+    config = EngineConfig(**options)
+    per_block = bytes_per_block(open_model(model).config, config.kv_block_size, config.kv_cache_dtype)
+    llm = LLM(model, **options, kv_cache_memory_gb=(num_blocks + 0.5) * per_block / 2**30)
     return llm.engine, llm.max_model_len
 
 
@@ -134,17 +133,14 @@ def plot(trace: list[dict], path: Path, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="its tokenizer, vocabulary and max_model_len (default: SmolLM2)")
     p.add_argument("--real", action="store_true", help="run the actual model instead of the stub (minutes)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-range", default="400,2000")
     p.add_argument("--output-range", default="16,512")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="(default: room for every request at once)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--max-model-len", type=int, default=None, help="(default: the model's context)")
+    # the model gives its tokenizer, vocabulary and max_model_len; the pool is --num-blocks
+    add_engine_flags(p, skip=("kv_cache_memory_gb",), max_num_batched_tokens=4096)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default=None)
     args = p.parse_args()
@@ -152,12 +148,14 @@ def main() -> None:
     prompt_range = tuple(int(x) for x in args.prompt_range.split(","))
     output_range = tuple(int(x) for x in args.output_range.split(","))
     requests = workload(args.num_requests, prompt_range, output_range, args.seed)
-    num_blocks = args.num_blocks or sum(-(-(p + o) // args.block_size) for p, o in requests)
-    build = real_engine if args.real else simulated_engine
-    engine, max_len = build(args.model, args.block_size, num_blocks, args.max_num_seqs,
-                            args.max_num_batched_tokens, args.max_model_len)
+    num_blocks = args.num_blocks or sum(-(-(p + o) // args.kv_block_size) for p, o in requests)
+    if args.real:
+        engine, max_len = real_engine(args.model, engine_options(args), num_blocks)
+    else:
+        engine, max_len = simulated_engine(args.model, args.kv_block_size, num_blocks, args.max_num_seqs,
+                                           args.max_num_batched_tokens, args.max_model_len)
     print(f"{'real model' if args.real else 'simulation (stub model)'}: {len(requests)} requests, "
-          f"{num_blocks} blocks of {args.block_size}, max_model_len {max_len} ...", file=sys.stderr, flush=True)
+          f"{num_blocks} blocks of {args.kv_block_size}, max_model_len {max_len} ...", file=sys.stderr, flush=True)
     trace = simulate(engine, max_len, requests)
 
     summary = summarize(trace)
@@ -171,7 +169,7 @@ def main() -> None:
                             "trace": trace})
     plot(trace, args.out / f"kv_waste_{name}.png",
          f"{name}: {len(requests)} requests, prompts {args.prompt_range}, outputs {args.output_range}, "
-         f"blocks of {args.block_size} ({'real' if args.real else 'simulated'})")
+         f"blocks of {args.kv_block_size} ({'real' if args.real else 'simulated'})")
     print(markdown_table(["allocation", "max waste", "mean waste over steps", "waste over all slot-steps"],
                          [[label, f"{s['max']:.1%}", f"{s['mean']:.1%}", f"{s['slot_weighted']:.1%}"]
                           for label, s in summary.items()]))

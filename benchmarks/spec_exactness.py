@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from wallbreaker import LLM, SamplingParams
+from wallbreaker.cli import add_engine_flags, engine_options
 
 PROMPTS = [
     "def quicksort(arr):", "class LinkedList:\n    def __init__(self):", "import numpy as np\n\ndef softmax(x):",
@@ -27,10 +28,11 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--k", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--dtype", default="float32")
+    add_engine_flags(ap, skip=("model", "speculative_method", "speculative_model", "num_speculative_tokens",
+                               "speculative_adaptive"), dtype="float32", kv_cache_memory_gb=1.0, max_model_len=1024)
     args = ap.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    common = dict(dtype=args.dtype, kv_cache_memory_gb=1.0, max_model_len=1024)
+    common = engine_options(args)
     plain = [o.outputs[0].token_ids for o in LLM(args.target, **common).generate(PROMPTS, params)]
     results = []
     for method in ("draft", "ngram"):

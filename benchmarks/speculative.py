@@ -1,4 +1,4 @@
-"""Speculative decoding, with and without, side by side in one run (issue 4). Batch 1, one prompt at a
+"""Speculative decoding, with and without, side by side in one run. Batch 1, one prompt at a
 time, each variant on a freshly loaded engine (so its statistics are its own):
 
   (a) draft pair: target qwen2.5-coder-1.5b, draft qwen2.5-coder-0.5b, greedy, on code prompts;
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from wallbreaker import LLM, SamplingParams
+from wallbreaker.cli import add_engine_flags, engine_options
 from wallbreaker.formats import resolve_model_path
 from wallbreaker.formats.packaged import PACKAGED_MODELS, is_installed
 from wallbreaker.measure.reporting import bar_plot, markdown_table, median, write_json
@@ -74,6 +75,7 @@ def random_words_prompt(seed: int, words: int = 120) -> str:
 def available(model: str) -> bool:
     return is_installed(model) if model in PACKAGED_MODELS else Path(model).exists()
 
+SPEC_FIELDS = ("model", "speculative_method", "speculative_model", "num_speculative_tokens", "speculative_adaptive")
 
 @dataclass
 class Case:
@@ -180,15 +182,15 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--edit-max-tokens", type=int, default=320, help="(b) stops at EOS or here")
     p.add_argument("--random-words", type=int, default=120, help="(c) words in each random prompt")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=None)
+    # the engine's flags, but the models (the cases pick them) and speculation (the variants set it)
+    add_engine_flags(p, skip=SPEC_FIELDS, max_num_seqs=4)
     p.add_argument("--llama-cpp-dir", default=None)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
 
     import torch
-    threads = args.threads or torch.get_num_threads()
-    common = {"dtype": args.dtype, "num_threads": threads, "max_num_seqs": 4}
+    threads = args.num_threads or torch.get_num_threads()
+    common = {**engine_options(args), "num_threads": threads}
     results: list[VariantResult] = []
     extra: dict[str, list[dict]] = {}
     case_list = cases(args)

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from wallbreaker.cli import add_engine_flags, engine_options
+
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -36,13 +38,13 @@ def shard_weights_mib(llm, rank: int, tp: int) -> float:
     return module_bytes(load_model(llm.files, llm.config, torch.device("cpu"), Shard(rank, tp))) / 2**20
 
 
-def run_one(model: str | None, dtype: str, tp: int, max_tokens: int, batch: int, threads: int | None) -> dict:
+def run_one(model: str | None, options: dict, tp: int, max_tokens: int, batch: int) -> dict:
     from wallbreaker import LLM, SamplingParams
 
     baseline = vm_hwm_mib()  # the interpreter, torch and wallbreaker imported: every rank pays this
     start = time.perf_counter()
-    llm = LLM(model, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=max(batch, 8), max_model_len=1024,
-              num_threads=threads)
+    llm = LLM(model, **{**options, "tensor_parallel_size": tp, "max_num_seqs": max(batch, options["max_num_seqs"])})
+    dtype, threads = options["dtype"], options["num_threads"]
     load_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
@@ -63,23 +65,20 @@ def run_one(model: str | None, dtype: str, tp: int, max_tokens: int, batch: int,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--num-threads", type=int, default=None, help="per rank (default: the cores / TP size)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # internal: run one TP size
+    # --num-threads is per rank (default: the cores / TP size)
+    add_engine_flags(p, skip=("tensor_parallel_size",), dtype="float32", max_num_seqs=8, max_model_len=1024)
     args = p.parse_args()
     if args.one is not None:
-        print(json.dumps(run_one(args.model, args.dtype, args.one, args.max_tokens, args.batch, args.num_threads)))
+        print(json.dumps(run_one(args.model, engine_options(args), args.one, args.max_tokens, args.batch)))
         return
     results = []
     for tp in args.tp:
-        cmd = [sys.executable, __file__, "--dtype", args.dtype, "--max-tokens", str(args.max_tokens),
-               "--batch", str(args.batch), "--one", str(tp)] + (["--model", args.model] if args.model else []) \
-            + (["--num-threads", str(args.num_threads)] if args.num_threads else [])
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--one", str(tp)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(results[-1]))

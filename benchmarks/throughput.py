@@ -1,4 +1,4 @@
-"""Throughput against concurrency (issue 3): the same requests (64 prompts of mixed lengths, 128 greedy
+"""Throughput against concurrency: the same requests (64 prompts of mixed lengths, 128 greedy
 tokens each, ignore_eos, all submitted at once) at max_num_seqs 1, 4, 16 and 64. Reports generated
 tokens/s of the whole run, requests/s, per-request latency (end to end, from submission) and TTFT,
 and the memory bound at that batch when `wallbreaker roofline` has stored a bandwidth.
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from wallbreaker import LLM, SamplingParams
+from wallbreaker.cli import add_engine_flags, engine_options
 from wallbreaker.formats import resolve_model_path
 from wallbreaker.measure.reporting import markdown_table, median, percentile, write_json
 from wallbreaker.measure.roofline import decode_bound_tokens_per_s
@@ -23,9 +24,8 @@ from wallbreaker.measure.workload import mixed_lengths, prompt_ids
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_level(model: str | None, dtype: str, concurrency: int, threads: int | None, lengths: list[int],
-              max_tokens: int) -> dict:
-    llm = LLM(model, dtype=dtype, max_num_seqs=concurrency, num_threads=threads)
+def run_level(model: str | None, options: dict, concurrency: int, lengths: list[int], max_tokens: int) -> dict:
+    llm = LLM(model, **{**options, "max_num_seqs": concurrency})
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([prompt_ids(llm.tokenizer, 32, "warm-up")], SamplingParams(max_tokens=8, ignore_eos=True))
     prompts = [prompt_ids(llm.tokenizer, n, f"throughput c{concurrency} r{i}") for i, n in enumerate(lengths)]
@@ -87,9 +87,7 @@ def plot(levels: list[dict], path: Path, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="(default: the embedded SmolLM2)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=None)
+    add_engine_flags(p, skip=("max_num_seqs",))  # --concurrency sets max_num_seqs
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-prompt-tokens", type=int, default=32)
@@ -103,7 +101,7 @@ def main() -> None:
     levels = []
     for c in (int(x) for x in args.concurrency.split(",")):
         print(f"max_num_seqs {c} ...", file=sys.stderr, flush=True)
-        levels.append(run_level(args.model, args.dtype, c, args.threads, lengths, args.max_tokens))
+        levels.append(run_level(args.model, engine_options(args), c, lengths, args.max_tokens))
     name = args.name or resolve_model_path(args.model).stem
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     json_path = write_json(args.out / f"throughput_{name}.json", {"config": config, "prompt_lengths": lengths,

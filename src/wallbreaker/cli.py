@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import sys
+import types
+import typing
 from typing import Callable
 
 from .errors import WallbreakerError
@@ -20,41 +22,111 @@ def command(name: str):
     return register
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from .config import EngineConfig
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "model":
-            p.add_argument("--model", "-m", default=None,
-                           help="a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2)")
-        elif f.type in ("bool", bool):
-            p.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction)
+# What a flag does, where its field's name and default do not say it all.
+HELP = {
+    "model": "a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2)",
+    "dtype": "float32: the exact reference path; auto: packed weights through our kernels",
+    "num_threads": "torch threads (default: torch's count; under tensor parallelism, the cores per rank)",
+    "kv_cache_memory_gb": "the KV pool, GiB (default: a quarter of the free memory, at most 2, no more than needed)",
+    "max_model_len": "tokens a sequence may reach (default: the model's context, capped at what the pool holds)",
+    "speculative_method": "ngram (prompt lookup) or draft (--speculative-model)",
+    "num_speculative_tokens": "drafts a step at most (K)",
+    "speculative_adaptive": "choose K each step from measured costs (--no-speculative-adaptive: always K)",
+    "tensor_parallel_size": "ranks to split the model across",
+    "temperature": "0 is greedy",
+    "top_k": "0 or -1: off",
+    "max_tokens": "tokens to generate at most",
+    "stop": "a stop string (repeatable)",
+    "stop_token_ids": "a token id that ends the output (repeatable)",
+    "ignore_eos": "keep generating past the model's end-of-sequence token",
+    "include_stop_str_in_output": "keep the stop string that ended the output",
+    "method": "how to round (mixed: a width per tensor to meet --bits on average)",
+    "bits": "2..8; for mixed, the target average (e.g. 3.5)",
+    "group_size": "inputs per scale (default: 128; 32 for a .gguf output)",
+    "sym": "symmetric grid (default: asymmetric, except --bits 8 to GGUF: Q8_0)",
+    "act_order": "GPTQ: columns in order of decreasing activation",
+    "calib": "calibration text (default: WikiText-2 valid.txt)",
+    "nsamples": "calibration sequences",
+    "seqlen": "tokens per calibration sequence",
+    "damp": "GPTQ damping, fraction of the mean diagonal",
+    "true_sequential": "GPTQ: capture each Linear's inputs after the ones before it are quantized",
+    "awq_grid": "AWQ: alpha in {0, 1/n, ..., 1}",
+    "awq_clip": "AWQ: also clip each group's range to its best on calibration error",
+    "mixed_quantizer": "mixed: how each tensor is rounded at its width",
+    "sensitivity_samples": "mixed: sequences the sensitivities are measured on",
+    "batch": "calibration sequences per layer call",
+}
+
+
+def _flag_type(hint) -> tuple[type, bool]:
+    """(the type of one value, whether the flag repeats) of a field's type hint, None dropped."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) in (
+        typing.Union, types.UnionType) else [hint]
+    for a in args:
+        if typing.get_origin(a) is list:
+            return typing.get_args(a)[0], True
+    return (args[0] if args[0] in (bool, int, float) else str), False
+
+
+def add_dataclass_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+                        choices: dict[str, tuple] | None = None, **defaults: object) -> None:
+    """A --flag per field of the dataclass `cls`, typed and defaulted by the field (`defaults`
+    overrides a default; a field without one is a required flag). The dataclass validates values."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kind, repeats = _flag_type(hints[f.name])
+        default = defaults.get(f.name, f.default)
+        required = default is dataclasses.MISSING
+        text = HELP.get(f.name, "")
+        if not required and not repeats and "default" not in text:
+            text = f"{text} (default: {default})".strip()
+        kw: dict = {"help": text or None}
+        if required:
+            kw["required"] = True
         else:
-            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
+            kw["default"] = default
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = kind
+            if repeats:
+                kw["action"] = "append"
+            if choices and f.name in choices:
+                kw["choices"] = choices[f.name]
+        p.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = (), **defaults: object) -> None:
+    """Every field of EngineConfig (but `skip`) as a flag of a verb, or of a benchmark script, that
+    runs the engine; `defaults` overrides EngineConfig's."""
+    from .config import EngineConfig
+    if "model" not in skip:
+        p.add_argument("--model", "-m", default=defaults.pop("model", None), help=HELP["model"])
+    add_dataclass_flags(p, EngineConfig, skip=("model", *skip), **defaults)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields among parsed engine flags, as LLM(model, **options) takes them."""
     from .config import EngineConfig
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if f.name != "model" and hasattr(args, f.name)}
+
+
+# The CLI prints one completion a prompt, without logprobs.
+_SAMPLING_SKIP = ("n", "logprobs")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    from .sampling_params import SamplingParams
+    add_dataclass_flags(p, SamplingParams, skip=_SAMPLING_SKIP, max_tokens=max_tokens, temperature=0.0)
 
 
 def sampling_params(args: argparse.Namespace):
     from .sampling_params import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=args.stop)
+    return SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
+                             if f.name not in _SAMPLING_SKIP})
 
 
 def load_llm(args: argparse.Namespace):
@@ -142,13 +214,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 @command("roofline")
 def cmd_roofline(args: argparse.Namespace) -> int:
     from .measure.roofline_report import run
-    return run(args)
+    return run(args, engine_options(args))
 
 
 @command("bench")
 def cmd_bench(args: argparse.Namespace) -> int:
     from .measure.bench import run
-    return run(args)
+    return run(args, engine_options(args))
 
 
 @command("perplexity")
@@ -171,14 +243,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from .quant.pipeline import QuantizeConfig
     from .quant.run import is_gguf_path, quantize_to
     gguf_out = is_gguf_path(args.out)
-    cfg = QuantizeConfig(
-        method=args.method, bits=args.bits,
-        group_size=args.group_size or (32 if gguf_out else QuantizeConfig.group_size),
-        sym=args.sym if args.sym is not None else (gguf_out and args.bits == 8), act_order=args.act_order,
-        nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed, calib=args.calib, damp=args.damp,
-        true_sequential=args.true_sequential,
-        awq_grid=args.awq_grid, awq_clip=args.awq_clip, mixed_quantizer=args.mixed_quantizer,
-        sensitivity_samples=args.sensitivity_samples)
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(QuantizeConfig)}
+    if fields["group_size"] is None:  # GGUF's blocks are 32 wide
+        fields["group_size"] = 32 if gguf_out else QuantizeConfig.group_size
+    if fields["sym"] is None:  # 8 bits to GGUF is Q8_0, symmetric
+        fields["sym"] = gguf_out and args.bits == 8
+    cfg = QuantizeConfig(**fields)
     qm = quantize_to(args.model, args.out, cfg)
     print(f"[{cfg.method}: {len(qm.quantized)} tensors, {qm.average_bits:.3f} bits per weight on average, "
           f"groups of {cfg.group_size}, {'symmetric' if cfg.sym else 'asymmetric'}]", file=sys.stderr)
@@ -234,34 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="half: the second half of each window, as llama-perplexity (default); all: every token")
 
     from .quant.pipeline import METHODS, QuantizeConfig
-    q = {f.name: f.default for f in dataclasses.fields(QuantizeConfig)}
     p = sub.add_parser("quantize", help="quantize a model and write it out (GGUF or folder)")
-    p.add_argument("--method", required=True, choices=METHODS)
-    p.add_argument("--bits", type=float, required=True, help="2..8; for mixed, the target average (e.g. 3.5)")
-    p.add_argument("--group-size", type=int, default=None,
-                   help=f"(default: {q['group_size']}; 32 for a .gguf output)")
-    p.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
-                   help="symmetric grid (default: asymmetric, except --bits 8 to GGUF: Q8_0)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: columns in order of decreasing activation")
-    p.add_argument("--calib", default=None, help="calibration text (default: WikiText-2 valid.txt)")
-    p.add_argument("--nsamples", type=int, default=q["nsamples"],
-                   help=f"calibration sequences (default: {q['nsamples']})")
-    p.add_argument("--seqlen", type=int, default=q["seqlen"],
-                   help=f"tokens per calibration sequence (default: {q['seqlen']})")
-    p.add_argument("--seed", type=int, default=q["seed"])
-    p.add_argument("--damp", type=float, default=q["damp"], help="GPTQ damping, fraction of the mean diagonal")
-    p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=q["true_sequential"],
-                   help="GPTQ: capture each Linear's inputs after the ones before it are quantized "
-                        f"(default: {'on' if q['true_sequential'] else 'off'})")
-    p.add_argument("--awq-grid", type=int, default=q["awq_grid"],
-                   help=f"AWQ: alpha in {{0, 1/n, ..., 1}} (default: {q['awq_grid']})")
-    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=q["awq_clip"],
-                   help="AWQ: also clip each group's range to its best on calibration error "
-                        f"(default: {'on' if q['awq_clip'] else 'off'})")
-    p.add_argument("--mixed-quantizer", choices=["gptq", "rtn"], default=q["mixed_quantizer"],
-                   help=f"mixed: how each tensor is rounded at its width (default: {q['mixed_quantizer']})")
-    p.add_argument("--sensitivity-samples", type=int, default=q["sensitivity_samples"],
-                   help=f"mixed: sequences for sensitivities (default: {q['sensitivity_samples']})")
+    add_dataclass_flags(p, QuantizeConfig, choices={"method": METHODS, "mixed_quantizer": ("gptq", "rtn")},
+                        group_size=None, sym=None)
     p.add_argument("model", help="a .gguf file, a Hugging Face folder, or a packaged model name")
     p.add_argument("out", help="OUT.gguf (Q4_0, Q4_1, Q8_0) or a folder")
 

@@ -168,11 +168,9 @@ class TransformersBaseline:
 
 
 # -- the run ---------------------------------------------------------------------------------------
-def _engines(args: argparse.Namespace, threads: int) -> tuple[list[Any], list[str]]:
-    from ..cli import engine_options
+def _engines(args: argparse.Namespace, options: dict, threads: int) -> tuple[list[Any], list[str]]:
     from ..formats import resolve_model_path
-    options = engine_options(args)
-    options["num_threads"] = threads
+    options = {**options, "num_threads": threads}
     spec = options.get("speculative_method")
     engines: list[Any] = [Wallbreaker(args, {**options, "speculative_method": None}, "wallbreaker")]
     if spec:
@@ -200,9 +198,10 @@ def _engines(args: argparse.Namespace, threads: int) -> tuple[list[Any], list[st
     return engines, notes
 
 
-def run(args: argparse.Namespace) -> int:
-    threads = args.num_threads or torch.get_num_threads()
-    engines, notes = _engines(args, threads)
+def run(args: argparse.Namespace, options: dict) -> int:
+    """`args`: the bench flags (and `model`); `options`: the engine's, as LLM(model, **options) takes them."""
+    threads = options.get("num_threads") or torch.get_num_threads()
+    engines, notes = _engines(args, options, threads)
     samples: dict[str, dict[str, list[float]]] = {e.name: {} for e in engines}
     for rep in range(args.runs):
         for engine in engines:

@@ -18,8 +18,6 @@ CONTEXTS = (128, 1024, 4096)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None,
-                   help="threads for the 'all threads' measurement and the decode run (default: torch's count)")
     p.add_argument("--buffer-mib", type=int, default=512, help="bandwidth buffer size (default: 512 MiB)")
     p.add_argument("--repeats", type=int, default=7, help="runs of each bandwidth kernel (default: 7)")
     p.add_argument("--gemm-size", type=int, default=2048, help="matmul size for FLOP/s (default: 2048)")
@@ -91,25 +89,28 @@ def cost_lines(cost: DecodeCost, bandwidth: float, flops: dict[str, float] | Non
     return lines, result
 
 
-def real_run(args: argparse.Namespace, threads: int) -> tuple[Any, dict]:
-    from ..cli import load_llm
+def load(args: argparse.Namespace, options: dict, threads: int) -> Any:
+    from ..llm import LLM
+    return LLM(args.model, **{**options, "num_threads": threads})
+
+
+def real_run(llm: Any, args: argparse.Namespace) -> dict:
     from ..sampling_params import SamplingParams
     from .workload import prompt_ids
-    if not args.num_threads:
-        args.num_threads = threads
-    llm = load_llm(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate([prompt_ids(llm.tokenizer, args.prompt_tokens, "warm-up")], SamplingParams(max_tokens=8, ignore_eos=True))
     out = llm.generate([prompt_ids(llm.tokenizer, args.prompt_tokens, "roofline")], params)[0]
     m = out.metrics
-    return llm, {"prompt_tokens": args.prompt_tokens, "decode_tokens": m["num_generated_tokens"],
-                 "decode_tokens_per_s": m.get("decode_tokens_per_s", 0.0),
-                 "prefill_tokens_per_s": args.prompt_tokens / m["ttft_s"] if m.get("ttft_s") else None,
-                 "load_time_s": llm.load_time_s}
+    return {"prompt_tokens": args.prompt_tokens, "decode_tokens": m["num_generated_tokens"],
+            "decode_tokens_per_s": m.get("decode_tokens_per_s", 0.0),
+            "prefill_tokens_per_s": args.prompt_tokens / m["ttft_s"] if m.get("ttft_s") else None,
+            "load_time_s": llm.load_time_s}
 
 
-def run(args: argparse.Namespace) -> int:
-    threads = args.threads or torch.get_num_threads()
+def run(args: argparse.Namespace, options: dict) -> int:
+    """`args`: the roofline flags (and `model`); `options`: the engine's. The machine is measured at
+    1 thread and at `num_threads` (default: torch's count), which the decode run uses too."""
+    threads = options.get("num_threads") or torch.get_num_threads()
     profile, source = _profile(args, threads)
     bandwidth = profile.read_bandwidth(threads)
     flops = {k: s.best for k, s in profile.flops.items()} or None
@@ -117,10 +118,8 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"machine": profile.to_json(), "threads": threads, "bandwidth_used": bandwidth}
     if args.decode_tokens <= 0:
         args.decode_tokens = 0
-    llm, measured = real_run(args, threads) if args.decode_tokens else (None, None)
-    if llm is None:
-        from ..cli import load_llm
-        llm = load_llm(args)
+    llm = load(args, options, threads)
+    measured = real_run(llm, args) if args.decode_tokens else None
     cost = llm_cost(llm)
     kv_dtype = str(llm.kv_cache.tensor.dtype).removeprefix("torch.")
     lines.append(f"Model {llm.files.path.name} (dtype {llm.config.dtype}, KV cache {kv_dtype}):")
