@@ -125,18 +125,14 @@ def _add_architecture(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
     base of 10000, 1/sqrt(head_dim) scaling) but reads under these names for other architectures,
     so a file whose model differs from those defaults still says exactly what it is.
     """
-    writer.add_vocab_size(c.vocab_size)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_heads)
-    writer.add_head_count_kv(c.num_kv_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(c.head_dim)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = writer
+    for add, value in ((w.add_vocab_size, c.vocab_size), (w.add_context_length, c.max_position_embeddings),
+                       (w.add_embedding_length, c.hidden_size), (w.add_block_count, c.num_layers),
+                       (w.add_feed_forward_length, c.intermediate_size), (w.add_head_count, c.num_heads),
+                       (w.add_head_count_kv, c.num_kv_heads), (w.add_key_length, c.head_dim),
+                       (w.add_value_length, c.head_dim), (w.add_rope_dimension_count, c.head_dim),
+                       (w.add_rope_freq_base, c.rope_theta), (w.add_layer_norm_rms_eps, c.rms_norm_eps)):
+        add(value)
     if c.rope_scaling_factor != 1.0:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(c.rope_scaling_factor)

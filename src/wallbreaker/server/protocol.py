@@ -63,6 +63,11 @@ class _SamplingFields(_Body):
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool | None = False
 
+    @property
+    def include_usage(self) -> bool:
+        """A streamed answer ends with a chunk of token counts (`stream_options.include_usage`)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -41,6 +41,26 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# -- what every answer and choice carries -------------------------------------------------------
+Choice = TypeVar("Choice")
+
+
+class _Answer(BaseModel, Generic[Choice]):
+    """What every answer, and every chunk of a streamed one, carries: its kind (`object`) and choices."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None  # a stream's chunks carry it only in the last, when asked
+
+
+class _Choice(BaseModel):
+    index: int
+    finish_reason: str | None = None
+
+
 # -- completions -------------------------------------------------------------------------------
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
@@ -49,20 +69,15 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Answer[CompletionChoice]):
+    """POST /v1/completions: the answer, and each chunk of a streamed one."""
+
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 # -- chat --------------------------------------------------------------------------------------
@@ -85,19 +100,15 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Answer[ChatChoice]):
+    """POST /v1/chat/completions, not streamed: its usage is always there."""
+
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
     usage: Usage
 
 
@@ -111,17 +122,12 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatStreamChoice(_Choice):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Answer[ChatStreamChoice]):
+    """One event of a streamed chat completion."""
+
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None

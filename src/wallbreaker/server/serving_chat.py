@@ -1,16 +1,14 @@
 """POST /v1/chat/completions: the messages through the model's chat template, one engine request."""
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.outputs import RequestOutput, StreamDelta
+from ..engine.outputs import RequestOutput
 from .access_log import AccessRecord
-from .async_engine import EngineRequest, Finished, RequestHandle
-from .errors import APIError, request_timeout
+from .async_engine import EngineRequest, RequestHandle
 from .logprobs import chat_logprobs
 from .prompts import chat_prompt
 from .protocol import ChatCompletionRequest
@@ -18,23 +16,19 @@ from .responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatC
                         DeltaMessage, Usage)
 from .request_params import chat_params
 from .state import ServerState
-from .streaming import SSE_DONE, EventStreamResponse, collect, sse, sse_error
+from .streaming import collect, deltas, event_stream, sse
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
-    access: AccessRecord = request.state.access
-    chat_id = access.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    deadline = state.deadline()
-    state.check_model(body.model)
+    access, chat_id, deadline = state.admit(request, body.model, "chatcmpl")
     params = chat_params(body)
     text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens)
     engine_request = EngineRequest(chat_id, text, ids, params)
     access.prompt_tokens = len(ids)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream(state, handle, engine_request, include_usage, access, deadline)
-        return EventStreamResponse(chunks, on_close=handle.abort)
+        chunks = _stream(state, handle, engine_request, body.include_usage, access, deadline)
+        return event_stream(handle, chunks, state.request_timeout)
     output = (await collect(handle, request, deadline, state.request_timeout))[chat_id]
     choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
                           logprobs=chat_logprobs(state.strings, c.token_ids, c.logprobs or [], c.top_logprobs or [])
@@ -56,32 +50,18 @@ async def _stream(state: ServerState, handle: RequestHandle, engine_request: Eng
 
     yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(params.n)])
-    output: RequestOutput | None = None
-    try:
-        async for event in handle.events(deadline):
-            if isinstance(event, Finished):
-                output = event.output
-                continue
-            assert isinstance(event, StreamDelta)
-            if event.token_ids:
-                access.first_token()
-                access.completion_tokens += len(event.token_ids)
-            logprobs = None
-            if params.logprobs is not None and event.token_ids:
-                logprobs = chat_logprobs(state.strings, event.token_ids, event.logprobs, event.top_logprobs)
-            if not (event.text or event.finish_reason or logprobs):
-                continue  # text held back (a possible stop string)
-            delta = DeltaMessage(content=event.text) if event.text or logprobs else DeltaMessage()
-            yield chunk([ChatStreamChoice(index=event.index, delta=delta, logprobs=logprobs,
-                                          finish_reason=event.finish_reason)])
-        if include_usage and output is not None:
-            yield chunk([], _usage(output))
-    except TimeoutError:
-        handle.abort("timeout")
-        yield sse_error(request_timeout(state.request_timeout or 0.0))
-    except APIError as e:
-        yield sse_error(e)
-    yield SSE_DONE
+    finished: list[RequestOutput] = []
+    async for event in deltas(handle, access, deadline, finished):
+        logprobs = None
+        if params.logprobs is not None and event.token_ids:
+            logprobs = chat_logprobs(state.strings, event.token_ids, event.logprobs, event.top_logprobs)
+        if not (event.text or event.finish_reason or logprobs):
+            continue  # text held back (a possible stop string)
+        delta = DeltaMessage(content=event.text) if event.text or logprobs else DeltaMessage()
+        yield chunk([ChatStreamChoice(index=event.index, delta=delta, logprobs=logprobs,
+                                      finish_reason=event.finish_reason)])
+    if include_usage and finished:
+        yield chunk([], _usage(finished[0]))
 
 
 def _usage(output: RequestOutput) -> Usage:

@@ -1,7 +1,6 @@
 """POST /v1/completions: one engine request a prompt, its n choices numbered prompt * n + index."""
 from __future__ import annotations
 
-import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
@@ -11,31 +10,26 @@ from starlette.concurrency import run_in_threadpool
 from ..engine.outputs import RequestOutput, StreamDelta
 from ..sampling_params import SamplingParams
 from .access_log import AccessRecord
-from .async_engine import EngineRequest, Finished, RequestHandle
-from .errors import APIError, request_timeout
+from .async_engine import EngineRequest, RequestHandle
 from .logprobs import completion_logprobs
 from .prompts import completion_prompts
 from .protocol import CompletionRequest
 from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from .request_params import completion_params
 from .state import ServerState
-from .streaming import SSE_DONE, EventStreamResponse, collect, sse, sse_error
+from .streaming import collect, deltas, event_stream, sse
 
 
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
-    access: AccessRecord = request.state.access
-    completion_id = access.request_id = f"cmpl-{uuid.uuid4().hex}"
-    deadline = state.deadline()
-    state.check_model(body.model)
+    access, completion_id, deadline = state.admit(request, body.model, "cmpl")
     params = completion_params(body)
     prompts = await run_in_threadpool(completion_prompts, state, body.prompt, params.max_tokens)
     requests = [EngineRequest(f"{completion_id}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
     access.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     handle = state.engine.submit(requests, stream=bool(body.stream))
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream(state, handle, requests, completion_id, include_usage, access, deadline)
-        return EventStreamResponse(chunks, on_close=handle.abort)
+        chunks = _stream(state, handle, requests, completion_id, body.include_usage, access, deadline)
+        return event_stream(handle, chunks, state.request_timeout)
     outputs = await collect(handle, request, deadline, state.request_timeout)
     choices = []
     for i, r in enumerate(requests):
@@ -58,31 +52,16 @@ async def _stream(state: ServerState, handle: RequestHandle, requests: list[Engi
     prompt_index = {r.request_id: i for i, r in enumerate(requests)}
     offsets: dict[int, int] = defaultdict(int)
     finished: list[RequestOutput] = []
-    try:
-        async for event in handle.events(deadline):
-            if isinstance(event, Finished):
-                finished.append(event.output)
-                continue
-            assert isinstance(event, StreamDelta)
-            if event.token_ids:
-                access.first_token()
-                access.completion_tokens += len(event.token_ids)
-            index = prompt_index[event.request_id] * params.n + event.index
-            logprobs = _delta_logprobs(state, event, params, offsets, index)
-            if not (event.text or event.finish_reason or logprobs):
-                continue  # text held back (a possible stop string)
-            choice = CompletionChoice(index=index, text=event.text, logprobs=logprobs,
-                                      finish_reason=event.finish_reason)
-            yield sse(CompletionResponse(id=completion_id, model=state.model_name, choices=[choice]))
-        if include_usage:
-            yield sse(CompletionResponse(id=completion_id, model=state.model_name, choices=[],
-                                         usage=_usage(requests, finished)))
-    except TimeoutError:
-        handle.abort("timeout")
-        yield sse_error(request_timeout(state.request_timeout or 0.0))
-    except APIError as e:
-        yield sse_error(e)
-    yield SSE_DONE
+    async for event in deltas(handle, access, deadline, finished):
+        index = prompt_index[event.request_id] * params.n + event.index
+        logprobs = _delta_logprobs(state, event, params, offsets, index)
+        if not (event.text or event.finish_reason or logprobs):
+            continue  # text held back (a possible stop string)
+        choice = CompletionChoice(index=index, text=event.text, logprobs=logprobs, finish_reason=event.finish_reason)
+        yield sse(CompletionResponse(id=completion_id, model=state.model_name, choices=[choice]))
+    if include_usage:
+        yield sse(CompletionResponse(id=completion_id, model=state.model_name, choices=[],
+                                     usage=_usage(requests, finished)))
 
 
 def _delta_logprobs(state: ServerState, delta: StreamDelta, params: SamplingParams, offsets: dict[int, int],

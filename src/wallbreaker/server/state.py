@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 
+from fastapi import Request
+
 from ..llm import LLM
+from .access_log import AccessRecord
 from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .errors import APIError
@@ -34,6 +38,15 @@ class ServerState:
     @property
     def request_timeout(self) -> float | None:
         return self.config.request_timeout
+
+    def admit(self, request: Request, model: str | None, prefix: str) -> tuple[AccessRecord, str, float | None]:
+        """A request for `model` starts: its access record, named by a fresh id (`prefix`-...), and
+        its deadline. A 404 for a model this server does not serve."""
+        access: AccessRecord = request.state.access
+        access.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        deadline = self.deadline()
+        self.check_model(model)
+        return access, access.request_id, deadline
 
     def check_model(self, name: str | None) -> None:
         """None (left out) and "default" mean the one model served."""

@@ -10,7 +10,8 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..engine.outputs import RequestOutput
+from ..engine.outputs import RequestOutput, StreamDelta
+from .access_log import AccessRecord
 from .async_engine import Finished, RequestHandle
 from .errors import APIError, request_timeout
 from .responses import ErrorResponse
@@ -45,6 +46,38 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+async def deltas(handle: RequestHandle, access: AccessRecord, deadline: float | None,
+                 finished: list[RequestOutput]) -> AsyncIterator[StreamDelta]:
+    """A streamed answer's deltas, their tokens counted into its access record; each request's
+    final output is appended to `finished` as it ends."""
+    async for event in handle.events(deadline):
+        if isinstance(event, Finished):
+            finished.append(event.output)
+            continue
+        if event.token_ids:
+            access.first_token()
+            access.completion_tokens += len(event.token_ids)
+        yield event
+
+
+def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], timeout_s: float | None) -> EventStreamResponse:
+    """`chunks` as a whole event stream: a deadline passed or an API error mid-way becomes an error
+    event, [DONE] ends it, and the requests are aborted however it ends."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except TimeoutError:
+            handle.abort("timeout")
+            yield sse_error(request_timeout(timeout_s or 0.0))
+        except APIError as e:
+            yield sse_error(e)
+        yield SSE_DONE
+
+    return EventStreamResponse(guarded(), on_close=handle.abort)
 
 
 async def collect(handle: RequestHandle, request: Request, deadline: float | None,
