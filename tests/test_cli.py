@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+from wallbreaker import LLM, SamplingParams
+
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "wallbreaker.cli", *args], capture_output=True, text=True,
@@ -30,9 +32,19 @@ def test_generate_json_gives_one_object_per_prompt(tiny_llama):
 
 
 def test_chat_streams_replies_and_keeps_the_conversation(tiny_llama):
-    result = run("chat", "--model", str(tiny_llama.gguf_path), "--max-tokens", "6", stdin="Hi there\nAnd again\n")
+    model = str(tiny_llama.gguf_path)
+    result = run("chat", "--model", model, "--dtype", "float32", "--max-tokens", "6", stdin="Hi there\nAnd again\n")
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("tokens/s") == 2  # one reply per user line
+    # the replies, as the Python API gives them for the whole conversation so far (greedy, the CLI's default)
+    llm, params = LLM(model, dtype="float32"), SamplingParams(temperature=0.0, max_tokens=6)
+    first = llm.chat([{"role": "user", "content": "Hi there"}], params)[0].outputs[0].text
+    history = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "And again"}]
+    second = llm.chat(history, params)[0].outputs[0].text
+    assert result.stdout == f"{first}\n{second}\n"
+    alone = llm.chat([{"role": "user", "content": "And again"}], params)[0].outputs[0].text
+    assert second != alone  # the history changes the reply here, so the check above tells the two apart
 
 
 def test_inspect_describes_formats_and_bytes_per_token(packaged_model):

@@ -138,36 +138,36 @@ def test_abort_frees_blocks_at_once(model_dir):
     assert llm.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished()
 
 
-def reference_beam_search(model, prompt: list[int], width: int, steps: int, eos: set[int]):
-    """Beam search by full forward passes (no cache), the same selection rule, for comparison."""
-    beams, done = [(list(prompt), 0.0)], []
+def transformers_beam_search(model, prompt: list[int], width: int, steps: int) -> tuple[list[list[int]], list[float]]:
+    """Hugging Face's own beam search, no end-of-sequence: every beam's tokens and cumulative logprob."""
     with torch.no_grad():
-        for _ in range(steps):
-            cands = []
-            for tokens, cum in beams:
-                lp = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].float(), -1)
-                top = torch.topk(lp, 2 * width)
-                cands += [(cum + v, tokens, t) for v, t in zip(top.values.tolist(), top.indices.tolist())]
-            cands.sort(key=lambda c: -c[0])
-            beams = []
-            for cum, tokens, t in cands:
-                if len(beams) == width:
-                    break
-                if t in eos:
-                    done.append((tokens[len(prompt):] + [t], cum, len(tokens)))
-                    continue
-                beams.append((tokens + [t], cum))
-    done += [(tokens[len(prompt):], cum, len(tokens)) for tokens, cum in beams]
-    return max(done, key=lambda d: d[1] / d[2])[0]
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=steps,
+                             min_new_tokens=steps, eos_token_id=None, pad_token_id=0, length_penalty=1.0,
+                             early_stopping=False, output_scores=True, return_dict_in_generate=True)
+    # its score is the cumulative logprob over the generated length (all beams have `steps` tokens)
+    return [s[len(prompt):].tolist() for s in out.sequences], (out.sequences_scores * steps).tolist()
 
 
-def test_beam_search_matches_a_reference_and_shares_blocks(tiny_llama, model_dir):
+def test_beam_search_matches_transformers_and_shares_blocks(tiny_llama, model_dir):
     llm = make_llm(model_dir, kv_block_size=4)
     hf = tiny_llama.load_hf()
-    eos = set(llm.engine.eos_token_ids)
-    for prompt in prompts_of_mixed_lengths(llm, 3, seed=6):
-        out = llm.beam_search([{"prompt_token_ids": prompt}], beam_width=4, max_tokens=8)[0]
-        assert out.sequences[0].token_ids == reference_beam_search(hf, prompt, 4, 8, eos)
+    used: list[int] = []
+    forward = llm.engine.forward
+
+    def counting(batch, *args, **kw):
+        used.append(llm.engine.block_manager.pool.num_used)  # blocks held as each step runs
+        return forward(batch, *args, **kw)
+    llm.engine.forward = counting
+    for prompt in prompts_of_mixed_lengths(llm, 3, seed=6) + [list(range(3, 27))]:
+        used.clear()
+        out = llm.beam_search([{"prompt_token_ids": prompt}], beam_width=4, max_tokens=8, ignore_eos=True)[0]
+        tokens, cumulative = transformers_beam_search(hf, prompt, 4, 8)
+        assert [s.token_ids for s in out.sequences] == tokens  # all four beams, best first
+        assert [s.cumulative_logprob for s in out.sequences] == pytest.approx(cumulative, abs=1e-4)
+        if len(prompt) >= 8:  # the prompt's full blocks are held once, not once a beam
+            unshared = 4 * -(-(len(prompt) + 7) // 4)
+            assert max(used) <= unshared - 3 * (len(prompt) // 4)
     assert llm.stats()["kv_blocks_used"] == 0
 
 

@@ -103,9 +103,18 @@ def test_real_model_matches_transformers(alias, packaged_model):
 
 def test_auto_path_runs_a_tied_4bit_embedding(tiny_qwen2):
     """Qwen2's head is tied; stored as Q4_0 it stays Q4_0 blocks for the head and rows come from the blocks."""
-    path = tiny_qwen2.quantized_gguf(__import__("gguf").GGMLQuantizationType.Q4_0)
+    import gguf
+    from wallbreaker.layers.embedding import QuantizedEmbedding
+    from wallbreaker.layers.linear import QuantLinear
+    path = tiny_qwen2.quantized_gguf(gguf.GGMLQuantizationType.Q4_0)
     exact = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.02)
     packed = LLM(str(path), dtype="auto", kv_cache_memory_gb=0.02)
+    head, embed = packed.model.lm_head, packed.model.embed
+    assert isinstance(head, QuantLinear) and head.qtypes == [gguf.GGMLQuantizationType.Q4_0]
+    assert isinstance(embed, QuantizedEmbedding) and embed.rows.data_ptr() == head.blocks[0].data_ptr()  # one copy
+    stored = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    table = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type))  # the gguf package's reading
     ids = exact.tokenizer.encode(" ".join(PROMPTS))[:40]
+    assert torch.equal(embed(torch.tensor(ids)), table[ids])  # each row, exactly, from the stored blocks
     a, b = exact.logits(ids), packed.logits(ids)
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99

@@ -1,6 +1,8 @@
 import pytest
+import torch
 
 from wallbreaker.errors import InvalidRequestError
+from wallbreaker.layers.sampler import processed_probs
 from wallbreaker.sampling_params import SamplingParams
 
 
@@ -17,9 +19,20 @@ def test_stop_is_normalized():
     assert SamplingParams(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]
 
 
-def test_off_values_are_accepted():
-    SamplingParams(top_k=-1, top_p=1.0, min_p=0.0, max_tokens=None, logprobs=0, seed=0)
-    SamplingParams(logprobs=20, presence_penalty=-2, frequency_penalty=2, min_p=1)
+@pytest.mark.parametrize("off", [{"top_k": -1}, {"top_k": 0}, {"top_p": 1.0}, {"min_p": 0.0},
+                                 {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}])
+def test_off_values_are_accepted_and_leave_the_distribution_alone(off):
+    """Each 'off' value is taken and changes nothing: the sampler draws from softmax(logits) itself."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    probs = processed_probs(logits, [SamplingParams(**off)], [[1, 2]], [[3, 3, 4]])
+    torch.testing.assert_close(probs, torch.softmax(logits, dim=-1))
+
+
+def test_edge_values_are_kept_as_given():
+    p = SamplingParams(max_tokens=None, logprobs=0, seed=0)
+    assert p.max_tokens is None and p.logprobs == 0 and p.seed == 0  # 0 is a value here, not "off"
+    q = SamplingParams(logprobs=20, presence_penalty=-2, frequency_penalty=2, min_p=1)
+    assert (q.logprobs, q.presence_penalty, q.frequency_penalty, q.min_p) == (20, -2.0, 2.0, 1.0)
 
 
 @pytest.mark.parametrize(

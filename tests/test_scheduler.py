@@ -1,10 +1,33 @@
-"""Scheduler: token budget and chunked prefill, seats, decode-first order, preemption of the newest."""
+"""Scheduler: token budget and chunked prefill, seats, decode-first order, preemption of the newest.
+Each step runs through the engine's own forward (the runner, the KV commit) over a stand-in model."""
+import torch
+
+from wallbreaker.config import ModelConfig
+from wallbreaker.engine.llm_engine import LLMEngine
+from wallbreaker.engine.model_runner import ModelRunner
 from wallbreaker.engine.scheduler import Scheduler
 from wallbreaker.engine.sequence import Sequence, SequenceStatus
-from wallbreaker.kv import BlockManager, BlockPool
+from wallbreaker.kv import BlockManager, BlockPool, KVCache
 from wallbreaker.sampling_params import SamplingParams
 
 BS = 4
+CONFIG = ModelConfig("llama", vocab_size=32, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+                     num_kv_heads=1, head_dim=8)
+
+
+class NoModel(torch.nn.Module):
+    """No layers and zero logits: what the scheduler decides is all that moves."""
+
+    config = CONFIG
+
+    def attention_layers(self) -> list:
+        return []
+
+    def forward(self, input_ids: torch.Tensor, meta) -> torch.Tensor:
+        return torch.zeros(len(input_ids), 1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(hidden), CONFIG.vocab_size)
 
 
 def make_seq(i: int, n_prompt: int) -> Sequence:
@@ -16,12 +39,14 @@ def scheduler(num_blocks=64, max_num_seqs=8, budget=16) -> Scheduler:
 
 
 def step(s: Scheduler):
-    """One schedule + commit; sequences that caught up sample a dummy token."""
+    """One schedule, then the engine's forward, which writes and commits what it computed; each
+    sequence it reports caught up samples token 7 (the sampler's place)."""
     batch = s.schedule()
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        s.block_manager.commit(seq, n)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
+    runner = ModelRunner(NoModel(), KVCache(CONFIG, s.block_manager.pool.num_blocks, BS, torch.float32), "cpu")
+    engine = LLMEngine(runner, None, s.block_manager, s, max_model_len=10_000, eos_token_ids=frozenset())
+    caught_up, _ = engine.forward(batch)
+    for seq in caught_up:
+        seq.token_ids.append(7)
     return batch
 
 
