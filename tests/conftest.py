@@ -36,6 +36,17 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return _tiny("gemma3", tmp_path_factory)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs a packaged real model is `real_model` (by the `packaged_model` fixture, or
+    marked by hand) and, like every such test, `slow`: loading one takes seconds. The quick loop is
+    `pytest -m "not slow"`."""
+    for item in items:
+        if "packaged_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_model)
+        if item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def packaged_model() -> Callable[[str], Path]:
     """`packaged_model("gemma3-270m")` -> the assembled GGUF of a packaged real model, or skip with

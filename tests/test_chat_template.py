@@ -38,6 +38,7 @@ def smollm2() -> tuple[dict[str, Any], Any]:
     return metadata, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
 def test_smollm2_template_matches_transformers(

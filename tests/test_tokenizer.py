@@ -83,6 +83,7 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     return Pair(request.param, metadata, ours, ref)
 
 
+@pytest.mark.real_model
 def test_encode_matches_transformers(pair: Pair) -> None:
     wrong = [
         (text, special, ours, theirs)
@@ -94,6 +95,7 @@ def test_encode_matches_transformers(pair: Pair) -> None:
     assert not wrong
 
 
+@pytest.mark.real_model
 def test_decode_matches_transformers(pair: Pair) -> None:
     for text in TEXTS:
         ids = pair.ref.encode(text)
@@ -105,6 +107,7 @@ def test_decode_matches_transformers(pair: Pair) -> None:
             assert round_trip == text
 
 
+@pytest.mark.real_model
 def test_token_bytes_spell_the_text(pair: Pair) -> None:
     for text in TEXTS:
         ids = pair.ours.encode(text, add_special_tokens=False)
@@ -120,6 +123,7 @@ EXPECTED_SPECIALS = {  # bos, eos, add_bos, stop tokens (llama.cpp's end-of-gene
 }
 
 
+@pytest.mark.real_model
 def test_special_tokens(pair: Pair) -> None:
     bos, eos, add_bos, stops = EXPECTED_SPECIALS[pair.name]
     ours = pair.ours
@@ -131,6 +135,7 @@ def test_special_tokens(pair: Pair) -> None:
     assert ours.encode("hi") == ([ours.bos_token_id, *plain] if add_bos else plain)
 
 
+@pytest.mark.real_model
 def test_smollm2_splits_digits_like_llama_cpp() -> None:
     tok = Tokenizer.from_gguf_metadata(read_metadata(model_path("smollm2")))
     pieces = [tok.id_to_token(i) for i in tok.encode("x  1 a 23")]
