@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from ..errors import EngineError, InvalidRequestError, WorkerFailedError
+from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..kv import BlockManager
 from ..layers.sampler import sample, top_logprobs
@@ -411,4 +411,3 @@ class LLMEngine:
             **(self.speculator.stats() if self.speculator else {}),
             **self.counters,
         }
-

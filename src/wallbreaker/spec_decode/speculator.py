@@ -96,4 +96,3 @@ def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
     if q.shape[1] >= vocab:
         return q[:, :vocab]
     return torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
-
