@@ -124,19 +124,15 @@ template <int QT> constexpr int kQB = QT == Q8_0 ? 32 : (QT == Q5_0 || QT == Q5_
 template <int QT> constexpr float kOffset = QT == Q4_0 ? -8.0f : QT == Q5_0 ? -16.0f : 1.0f;
 template <int QT> constexpr bool kHasMin = QT == Q4_1 || QT == Q5_1;
 
-inline __m256i bits32_x10(uint32_t v) {  // bit i of v -> byte i = 0x10 or 0
+// The 32 bits in the 4 bytes at p: bit i -> byte i = 0x10 or 0.
+inline __m256i bits32_x10(const uint8_t* p) {
   const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v), shuf);
-  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  b = _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
-  return _mm256_and_si256(b, _mm256_set1_epi8(0x10));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  const __m256i v = _mm256_castps_si256(_mm256_broadcast_ss((const float*)p));
+  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(v, shuf), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(0x10));
 }
 
-inline uint32_t load_u32(const uint8_t* p) {
-  uint32_t v;
-  memcpy(&v, p, 4);
-  return v;
-}
 inline uint32_t load_u16(const uint8_t* p) {
   uint16_t v;
   memcpy(&v, p, 2);
@@ -165,13 +161,16 @@ inline void pair_codes(const uint8_t* c, int64_t G, int64_t i, __m256i& lo, __m2
     lo = _mm256_and_si256(v, m4);
     hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     if (QT == Q5_0 || QT == Q5_1) {
-      lo = _mm256_or_si256(lo, bits32_x10(load_u32(c + 2 * i)));
-      hi = _mm256_or_si256(hi, bits32_x10(load_u32(c + 2 * G + 2 * i)));
+      lo = _mm256_or_si256(lo, bits32_x10(c + 2 * i));
+      hi = _mm256_or_si256(hi, bits32_x10(c + 2 * G + 2 * i));
     }
   } else {
     const __m128i t = _mm_loadu_si128((const __m128i*)(qs + 16 * i));
     lo = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1), m4);
-    if (QT == Q5_0 || QT == Q5_1) lo = _mm256_or_si256(lo, bits32_x10(load_u16(c + 2 * i) | (load_u16(c + 2 * G + 2 * i) << 16)));
+    if (QT == Q5_0 || QT == Q5_1) {
+      const uint32_t h = load_u16(c + 2 * i) | (load_u16(c + 2 * G + 2 * i) << 16);
+      lo = _mm256_or_si256(lo, bits32_x10((const uint8_t*)&h));
+    }
   }
 }
 
@@ -196,23 +195,32 @@ inline __m256i pair_dot(__m256i lo, __m256i hi, const int8_t* xg, int64_t G, int
   return _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones);
 }
 
-inline __m256 halves8(const uint8_t* p, int64_t cnt) {  // cnt (<= 8) float16 -> float32, zeros after
-  if (cnt >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-  uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  memcpy(tmp, p, 2 * cnt);
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)tmp));
+// cnt (<= 8) float16 at p -> float32, zeros after. Reads 16 bytes: the callers' rows go on past
+// their d (and m) fields, so the bytes read past cnt are the row's own (masked off here).
+inline __m256 halves8(const uint8_t* p, int64_t cnt) {
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  if (cnt >= 8) return v;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane)));
 }
 
 template <int QT, int MT, int NT, bool PAIR>
 inline void pair_step(const uint8_t* w, int64_t row_bytes, int64_t qoff, const ActQ8& a, int64_t m, int64_t g,
-                      int64_t G, int64_t i, int64_t k, const __m256* dw, const __m256* dx, __m256 (*acc)[NT]) {
+                      int64_t G, int64_t i, int64_t k, const __m256* dw, const __m256* dx, __m256 (*acc)[NT],
+                      int64_t pf) {
   constexpr int QB = kQB<QT>;
+  if (i == 0)
+    #pragma GCC unroll 8
+    for (int j = 0; j < NT; j++)
+      for (int l = 0; l < 4 * QB; l += 64) prefetch(w + j * row_bytes + qoff + 4 * g * QB + pf + l);
   // scale lanes: 0-3 block k of the 8-block window, 4-7 block k + 1 (PAIR) or k
   const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 0, 0, 0, PAIR, PAIR, PAIR, PAIR));
+  #pragma GCC unroll 8
   for (int j = 0; j < NT; j++) {
     __m256i lo, hi;
     pair_codes<QT, PAIR>(w + j * row_bytes + qoff + 4 * g * QB, G, i, lo, hi);
     const __m256 sw = _mm256_permutevar8x32_ps(dw[j], idx);
+    #pragma GCC unroll 8
     for (int r = 0; r < MT; r++) {
       const __m256i p = pair_dot<QT, PAIR>(lo, hi, a.q + (m + r) * a.ldq + 128 * g, G, i);
       const __m256 sc = MT == 1 ? sw : _mm256_mul_ps(sw, _mm256_permutevar8x32_ps(dx[r], idx));
@@ -224,37 +232,55 @@ inline void pair_step(const uint8_t* w, int64_t row_bytes, int64_t qoff, const A
 template <int QT, int MT, int NT>
 void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb;
+  const int64_t pf = prefetch_distance(NT * row_bytes);
   __m256 acc[MT][NT];
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
   for (int64_t g8 = 0; g8 < nb; g8 += 8) {
     const int64_t cnt = nb - g8 < 8 ? nb - g8 : 8;
     __m256 dw[NT], dx[MT];
+    #pragma GCC unroll 8
     for (int i = 0; i < MT; i++) {
       dx[i] = _mm256_loadu_ps(a.d + (m + i) * a.ldb + g8);  // zero-padded to 16
       if (QT != Q8_0) {
         const __m256 sx = _mm256_mul_ps(_mm256_loadu_ps(a.s + (m + i) * a.ldb + g8), _mm256_set1_ps(kOffset<QT>));
+        #pragma GCC unroll 8
         for (int j = 0; j < NT; j++) {
           const uint8_t* c = w + j * row_bytes + (kHasMin<QT> ? 2 * nb : 0) + 2 * g8;
           acc[i][j] = _mm256_fmadd_ps(halves8(c, cnt), sx, acc[i][j]);
         }
       }
     }
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
+      const uint8_t* s0 = w + j * row_bytes + 2 * g8 + pf;
+      prefetch(s0);
+      if (kHasMin<QT>) prefetch(s0 + 2 * nb);
       dw[j] = halves8(w + j * row_bytes + 2 * g8, cnt);
       if (MT == 1) dw[j] = _mm256_mul_ps(dw[j], dx[0]);
     }
-    for (int64_t gi = 0; gi < cnt; gi += 4) {  // the groups of this window
-      const int64_t g = (g8 + gi) / 4, G = nb - 4 * g < 4 ? nb - 4 * g : 4;
-      int64_t i = 0;
-      for (; i + 2 <= G; i += 2) pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, G, i, gi + i, dw, dx, acc);
-      if (i < G) pair_step<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, G, i, gi + i, dw, dx, acc);
+    if (cnt == 8) {  // two full groups
+      const int64_t g = g8 / 4;
+      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, 0, 0, dw, dx, acc, pf);
+      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, 2, 2, dw, dx, acc, pf);
+      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g + 1, 4, 0, 4, dw, dx, acc, pf);
+      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g + 1, 4, 2, 6, dw, dx, acc, pf);
+    } else {
+      for (int64_t gi = 0; gi < cnt; gi += 4) {  // the groups of this window
+        const int64_t g = (g8 + gi) / 4, G = nb - 4 * g < 4 ? nb - 4 * g : 4;
+        int64_t i = 0;
+        for (; i + 2 <= G; i += 2) pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, G, i, gi + i, dw, dx, acc, pf);
+        if (i < G) pair_step<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, G, i, gi + i, dw, dx, acc, pf);
+      }
     }
   }
   for (int i = 0; i < MT; i++) {
     if (NT == 4) {
       _mm_storeu_ps(out + (m + i) * ldo, hsum4(acc[i][0], acc[i][NT > 1 ? 1 : 0], acc[i][NT > 2 ? 2 : 0], acc[i][NT > 3 ? 3 : 0]));
     } else {
+      #pragma GCC unroll 8
       for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum8(acc[i][j]);
     }
   }
@@ -288,25 +314,32 @@ template <int QT, int MT, int NT>
 void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   // Q4_K, Q5_K: w = D sc q - Dm mn per 32 values; activations natural.
   static_assert(NT <= 2, "two rows' headers a register");
-  __m256 acc[MT][NT];
-  for (int i = 0; i < MT; i++)
+  __m256 acc[MT][NT], accm[MT];  // accm: the min terms, lanes 0-3 row 0, 4-7 row 1
+  #pragma GCC unroll 8
+  for (int i = 0; i < MT; i++) {
+    accm[i] = _mm256_setzero_ps();
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+  }
   const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const int64_t pf = prefetch_distance(NT * row_bytes);
+  // the header of block b + 1 is decoded during block b: its shuffles are off the critical path
+  __m256i Hn = lanes128<NT>(w, row_bytes, 0), Rn = k4_scales_mins(Hn);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* wb = w + b * kBB<QT>;
-    const __m256i H = lanes128<NT>(wb, row_bytes, 0);
-    const __m256i R = k4_scales_mins(H);
-    // each scale as an int16 pair, 8 per row: [row 0: 0-3 | row 1: 0-3], [row 0: 4-7 | row 1: 4-7]
-    alignas(32) int32_t sc[2][8];
-    _mm256_store_si256((__m256i*)sc[0], _mm256_shuffle_epi8(R, _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,
-                                                                                0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1)));
-    _mm256_store_si256((__m256i*)sc[1], _mm256_shuffle_epi8(R, _mm256_setr_epi8(4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1,
-                                                                                4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1)));
+    #pragma GCC unroll 8
+    for (int j = 0; j < NT; j++) prefetch_block<kBB<QT>>(wb + j * row_bytes + pf);
+    const __m256i H = Hn, R = Rn;
+    if (b + 1 < nb) {
+      Hn = lanes128<NT>(wb + kBB<QT>, row_bytes, 0);
+      Rn = k4_scales_mins(Hn);
+    }
     const __m256i MN = _mm256_shuffle_epi8(R, _mm256_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1,
                                                                8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1));
     // [D_0, Dm_0, D_1, Dm_1]
     const __m128 DD = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm256_castsi256_si128(H), _mm256_extracti128_si256(H, 1)));
     alignas(16) float ddx[MT][4];
+    #pragma GCC unroll 8
     for (int i = 0; i < MT; i++) {
       const int64_t ab = (m + i) * a.ldb + b;
       const __m128 dd = _mm_mul_ps(DD, _mm_set1_ps(a.d[ab]));
@@ -314,66 +347,92 @@ void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
       const __m256i bs = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(a.bsums32 + ab * 8)));
       const __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(MN, bs));  // lane j: row j
       const __m256 dm = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
-      for (int j = 0; j < NT; j++) {
-        const __m256 dmj = _mm256_blend_ps(_mm256_setzero_ps(), dm, j == 0 ? 0x0F : 0xF0);
-        acc[i][j] = _mm256_fnmadd_ps(mins, dmj, acc[i][j]);
-      }
+      accm[i] = _mm256_fmadd_ps(mins, dm, accm[i]);
     }
+    __m256i Rj[NT];
+    #pragma GCC unroll 8
+    for (int j = 0; j < NT; j++) Rj[j] = _mm256_permute4x64_epi64(R, j == 0 ? 0x44 : 0xEE);
+    __m256i qh[NT], isum[MT][NT];
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
-      const uint8_t* p = wb + j * row_bytes;
-      const uint8_t* qs = p + (QT == Q4_K ? 16 : 48);
-      __m256i qh;
-      if (QT == Q5_K) qh = _mm256_loadu_si256((const __m256i*)(p + 16));
-      __m256i isum[MT];
-      for (int i = 0; i < MT; i++) isum[i] = _mm256_setzero_si256();
-      for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
-        __m256i q0 = _mm256_and_si256(v, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if (QT == Q5_K) qh[j] = _mm256_loadu_si256((const __m256i*)(wb + j * row_bytes + 16));
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; i++) isum[i][j] = _mm256_setzero_si256();
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < 4; c++) {
+      __m256i q0[NT], q1[NT];
+      #pragma GCC unroll 8
+      for (int j = 0; j < NT; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + j * row_bytes + (QT == Q4_K ? 16 : 48) + 32 * c));
+        q0[j] = _mm256_and_si256(v, m4);
+        q1[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         if (QT == Q5_K) {  // bit 2c (2c + 1) of each qh byte is bit 4 of the low (high) nibble's code
           const __m256i b4 = _mm256_set1_epi8(0x10);
-          const __m256i h0 = 2 * c <= 4 ? _mm256_slli_epi16(qh, 4 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 4);
-          const __m256i h1 = 2 * c + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 3);
-          q0 = _mm256_or_si256(q0, _mm256_and_si256(h0, b4));
-          q1 = _mm256_or_si256(q1, _mm256_and_si256(h1, b4));
-        }
-        const __m256i s0 = _mm256_set1_epi32(sc[(2 * c) / 4][4 * j + (2 * c) % 4]);
-        const __m256i s1 = _mm256_set1_epi32(sc[(2 * c + 1) / 4][4 * j + (2 * c + 1) % 4]);
-        for (int i = 0; i < MT; i++) {
-          const int8_t* xq = a.q + (m + i) * a.ldq + b * 256 + 64 * c;
-          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i*)xq)), s0);
-          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i*)(xq + 32))), s1);
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(p0, p1));
+          const __m256i h0 = 2 * c <= 4 ? _mm256_slli_epi16(qh[j], 4 - 2 * c) : _mm256_srli_epi16(qh[j], 2 * c - 4);
+          const __m256i h1 = 2 * c + 1 <= 4 ? _mm256_slli_epi16(qh[j], 3 - 2 * c) : _mm256_srli_epi16(qh[j], 2 * c - 3);
+          q0[j] = _mm256_or_si256(q0[j], _mm256_and_si256(h0, b4));
+          q1[j] = _mm256_or_si256(q1[j], _mm256_and_si256(h1, b4));
         }
       }
-      for (int i = 0; i < MT; i++)
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(ddx[i][2 * j]), acc[i][j]);
+      #pragma GCC unroll 8
+      for (int i = 0; i < MT; i++) {
+        const int8_t* xq = a.q + (m + i) * a.ldq + b * 256 + 64 * c;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i*)xq), x1 = _mm256_loadu_si256((const __m256i*)(xq + 32));
+        #pragma GCC unroll 8
+        for (int j = 0; j < NT; j++) {
+          const __m256i s0 = _mm256_shuffle_epi8(Rj[j], _mm256_set1_epi16((short)(0xFF00 | (2 * c))));
+          const __m256i s1 = _mm256_shuffle_epi8(Rj[j], _mm256_set1_epi16((short)(0xFF00 | (2 * c + 1))));
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0[j], x0), s0);
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1[j], x1), s1);
+          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_add_epi32(p0, p1));
+        }
+      }
     }
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; i++)
+      #pragma GCC unroll 8
+      for (int j = 0; j < NT; j++)
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(ddx[i][2 * j]), acc[i][j]);
   }
-  for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum8(acc[i][j]);
+  #pragma GCC unroll 8
+  for (int i = 0; i < MT; i++) {
+    const __m256 t = _mm256_hadd_ps(accm[i], accm[i]);
+    const __m256 mins = _mm256_hadd_ps(t, t);  // lane j: row j's min terms
+    #pragma GCC unroll 8
+    for (int j = 0; j < NT; j++)
+      out[(m + i) * ldo + j] = hsum8(acc[i][j]) - _mm_cvtss_f32(j == 0 ? _mm256_castps256_ps128(mins) : _mm256_extractf128_ps(mins, 1));
+  }
 }
 
 template <int QT, int MT, int NT>
 void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   // Q6_K: w = D sc (q - 32) per 16 values; activations natural.
   __m256 acc[MT][NT];
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const int64_t pf = prefetch_distance(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
+      prefetch_block<kBB<QT>>(p + pf);
       const __m128i s8 = _mm_loadu_si128((const __m128i*)(p + 192));
       const __m256i s16 = _mm256_cvtepi8_epi16(s8);
       // even scales in lane 0, odd in lane 1: chunk c's scales (2c, 2c + 1) are word c of each lane
       const __m256i seo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
       const float D = half_f16c(p + 208);
       __m256i isum[MT];
+      #pragma GCC unroll 8
       for (int i = 0; i < MT; i++) {
         const int64_t ab = (m + i) * a.ldb + b;
         const __m256i off = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i*)(a.bsums + ab * 16)));
         isum[i] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
       }
+      #pragma GCC unroll 8
       for (int h = 0; h < 2; h++) {
         const __m256i l0 = _mm256_loadu_si256((const __m256i*)(p + 64 * h));
         const __m256i l1 = _mm256_loadu_si256((const __m256i*)(p + 64 * h + 32));
@@ -383,20 +442,25 @@ void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, in
         q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
         q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
         q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        #pragma GCC unroll 8
         for (int k = 0; k < 4; k++) {
           const int c = 4 * h + k;
           const __m256i sv = _mm256_shuffle_epi8(seo, _mm256_set1_epi16((short)(2 * c | ((2 * c + 1) << 8))));
+          #pragma GCC unroll 8
           for (int i = 0; i < MT; i++) {
             const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + (m + i) * a.ldq + b * 256 + 32 * c));
             isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), sv));
           }
         }
       }
+      #pragma GCC unroll 8
       for (int i = 0; i < MT; i++)
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(D * a.d[(m + i) * a.ldb + b]), acc[i][j]);
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum8(acc[i][j]);
 }
 
@@ -419,15 +483,21 @@ template <int QT, int MT, int NT>
 void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   constexpr bool same_d = QT == Q3_K;
   __m256 acc[MT][NT];
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+  const int64_t pf = prefetch_distance(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
+      prefetch_block<kBB<QT>>(p + pf);
       __m256i sc16, mn16;
       float D, Dm;
       kscales<QT>(p, sc16, mn16, D, Dm);
       __m256i isum[MT];
+      #pragma GCC unroll 8
       for (int i = 0; i < MT; i++) isum[i] = _mm256_setzero_si256();
       for (int c = 0; c < 8; c++) {
         const __m256i q = codes_k23<QT>(p, c);
@@ -435,11 +505,13 @@ void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
         const __m256i pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(c));
         const __m256i sv = _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                                                        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+        #pragma GCC unroll 8
         for (int i = 0; i < MT; i++) {
           const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q + (m + i) * a.ldq + b * 256 + 32 * c));
           isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sv));
         }
       }
+      #pragma GCC unroll 8
       for (int i = 0; i < MT; i++) {
         const int64_t ab = (m + i) * a.ldb + b;
         const __m256i im = _mm256_madd_epi16(mn16, _mm256_loadu_si256((const __m256i*)(a.bsums + ab * 16)));
@@ -453,7 +525,9 @@ void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
       }
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum8(acc[i][j]);
 }
 

@@ -162,13 +162,16 @@ inline void group_codes(const uint8_t* c, int64_t G, __m512i& lo, __m512i& hi) {
 
 template <int QT, int MT, int NT, bool FULL>
 inline void group_dot(const uint8_t* w, int64_t row_bytes, int64_t qoff, const ActQ8& a, int64_t m, int64_t g,
-                      int64_t G, __m512i idx, const __m512* dw, const __m512* dx, __m512 (*acc)[NT]) {
+                      int64_t G, __m512i idx, const __m512* dw, const __m512* dx, __m512 (*acc)[NT], int64_t pf) {
   constexpr int QB = kQB<QT>;
   const __mmask64 kx = bytes_mask(16 * G);
+  #pragma GCC unroll 8
   for (int j = 0; j < NT; j++) {
+    for (int l = 0; l < 4 * QB; l += 64) prefetch(w + j * row_bytes + qoff + 4 * g * QB + pf + l);
     __m512i lo, hi;
     group_codes<QT, FULL>(w + j * row_bytes + qoff + 4 * g * QB, G, lo, hi);
     const __m512 sw = _mm512_permutexvar_ps(idx, dw[j]);
+    #pragma GCC unroll 8
     for (int i = 0; i < MT; i++) {
       const int8_t* xq = a.q + (m + i) * a.ldq + 128 * g;
       const __m512i xl = FULL ? _mm512_loadu_si512(xq) : _mm512_maskz_loadu_epi8(kx, xq);
@@ -183,8 +186,11 @@ inline void group_dot(const uint8_t* w, int64_t row_bytes, int64_t qoff, const A
 template <int QT, int MT, int NT>
 void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb;
+  const int64_t pf = prefetch_distance(NT * row_bytes);
   __m512 acc[MT][NT];
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
   const __m512i idx0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t nfull = nb / 4;  // full groups
@@ -192,15 +198,25 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     const int64_t cnt = nb - g16 < 16 ? nb - g16 : 16;
     const __mmask16 k16 = (__mmask16)((1u << cnt) - 1);
     __m512 dw[NT], dx[MT];
+    #pragma GCC unroll 8
     for (int i = 0; i < MT; i++) {
       dx[i] = _mm512_loadu_ps(a.d + (m + i) * a.ldb + g16);  // zero-padded to 16
       const __m512 sx = _mm512_mul_ps(_mm512_loadu_ps(a.s + (m + i) * a.ldb + g16), _mm512_set1_ps(kOffset<QT>));
+      #pragma GCC unroll 8
       for (int j = 0; j < NT; j++) {
         const uint8_t* c = w + j * row_bytes + (kHasMin<QT> ? 2 * nb : 0) + 2 * g16;
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k16, c)), sx, acc[i][j]);
       }
     }
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
+      const uint8_t* s0 = w + j * row_bytes + 2 * g16 + pf;
+      prefetch(s0);
+      prefetch(s0 + 31);
+      if (kHasMin<QT>) {
+        prefetch(s0 + 2 * nb);
+        prefetch(s0 + 2 * nb + 31);
+      }
       dw[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k16, w + j * row_bytes + 2 * g16));
       if (MT == 1) dw[j] = _mm512_mul_ps(dw[j], dx[0]);
     }
@@ -208,17 +224,19 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     int64_t g = g16 / 4;
     for (; g < gend; g++) {
       const __m512i idx = _mm512_add_epi32(idx0, _mm512_set1_epi32((int)(4 * (g % 4))));
-      group_dot<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, idx, dw, dx, acc);
+      group_dot<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, idx, dw, dx, acc, pf);
     }
     if (4 * g < g16 + cnt) {  // the row's last group, short
       const __m512i idx = _mm512_add_epi32(idx0, _mm512_set1_epi32((int)(4 * (g % 4))));
-      group_dot<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, nb - 4 * g, idx, dw, dx, acc);
+      group_dot<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, nb - 4 * g, idx, dw, dx, acc, pf);
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++) {
     if (NT == 4) {
       _mm_storeu_ps(out + (m + i) * ldo, hsum4(acc[i][0], acc[i][NT > 1 ? 1 : 0], acc[i][NT > 2 ? 2 : 0], acc[i][NT > 3 ? 3 : 0]));
     } else {
+      #pragma GCC unroll 8
       for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]);
     }
   }
@@ -269,6 +287,7 @@ inline void kcodes(const uint8_t* p, __m512i* q) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   if (QT == Q4_K || QT == Q5_K) {
     const uint8_t* qs = p + (QT == Q4_K ? 16 : 48);
+    #pragma GCC unroll 8
     for (int h = 0; h < 2; h++) {
       const __m512i v = _mm512_loadu_si512(qs + 64 * h);
       q[2 * h] = _mm512_and_si512(v, m4);
@@ -277,6 +296,7 @@ inline void kcodes(const uint8_t* p, __m512i* q) {
     if (QT == Q5_K) {
       const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 16)));
       const __m512i b4 = _mm512_set1_epi8(0x10);
+      #pragma GCC unroll 8
       for (int k = 0; k < 4; k++) {
         const int sa = 4 * (k / 2) + k % 2;  // sub-blocks sa (bytes 0..31) and sa + 2 (32..63)
         const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << sa)), _mm256_set1_epi8((char)(1 << (sa + 2))), 1);
@@ -287,6 +307,7 @@ inline void kcodes(const uint8_t* p, __m512i* q) {
     const __m512i m30 = _mm512_set1_epi8(0x30);
     const __m512i rl = _mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(2), 1);
     const __m512i rh = _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(30), 1);
+    #pragma GCC unroll 8
     for (int h = 0; h < 2; h++) {
       const __m512i v = _mm512_loadu_si512(p + 64 * h);
       const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h)));
@@ -300,21 +321,32 @@ template <int QT, int MT, int NT>
 void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   // Q4_K, Q5_K: w = D sc q - Dm mn per 32 values; activations in qk order.
   __m512 acc[MT][NT], accm[MT];
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++) {
     accm[i] = _mm512_setzero_ps();
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
   }
   const __m512i mnctrl = _mm512_broadcast_i32x4(_mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1));
   const __m512i dmidx = _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
   const __m512i ddidx = _mm512_zextsi128_si512(_mm_setr_epi16(0, 8, 16, 24, 1, 9, 17, 25));
+  const int64_t pf = prefetch_distance(NT * row_bytes);
+  // the header of block b + 1 is decoded during block b: its shuffles are off the critical path
+  __m512i Hn = lanes128<NT>(w, row_bytes, 0), Rn = k4_scales_mins(Hn);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* wb = w + b * kBB<QT>;
-    const __m512i H = lanes128<NT>(wb, row_bytes, 0);
-    const __m512i R = k4_scales_mins(H);
+    #pragma GCC unroll 8
+    for (int j = 0; j < NT; j++) prefetch_block<kBB<QT>>(wb + j * row_bytes + pf);
+    const __m512i H = Hn, R = Rn;
+    if (b + 1 < nb) {
+      Hn = lanes128<NT>(wb + kBB<QT>, row_bytes, 0);
+      Rn = k4_scales_mins(Hn);
+    }
     // [D_0..D_3, Dm_0..Dm_3]
     const __m256 DD = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(ddidx, H)));
     const __m512i MN = _mm512_shuffle_epi8(R, mnctrl);  // lane j: row j's 8 mins as int16
     alignas(32) float ddx[MT][8];
+    #pragma GCC unroll 8
     for (int i = 0; i < MT; i++) {
       const int64_t ab = (m + i) * a.ldb + b;
       const __m256 dd = _mm256_mul_ps(DD, _mm256_set1_ps(a.d[ab]));
@@ -323,20 +355,25 @@ void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
       const __m512 dm = _mm512_permutexvar_ps(dmidx, _mm512_castps256_ps512(dd));
       accm[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(MN, bs)), dm, accm[i]);
     }
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const __m512i Rj = _mm512_shuffle_i32x4(R, R, j * 0x55);
       __m512i q[4], sv[4];
       kcodes<QT>(wb + j * row_bytes, q);
+      #pragma GCC unroll 8
       for (int k = 0; k < 4; k++) sv[k] = _mm512_shuffle_epi8(Rj, k4_scale_ctrl(k));
+      #pragma GCC unroll 8
       for (int i = 0; i < MT; i++) {
         const int8_t* xq = a.qk + (m + i) * a.ldq + b * 256;
         __m512i isum = _mm512_setzero_si512();
+        #pragma GCC unroll 8
         for (int k = 0; k < 4; k++)
           isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(xq + 64 * k)), sv[k]);
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(ddx[i][j]), acc[i][j]);
       }
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++) {
     const __m128 mins = lanesums(accm[i]);
     if (NT == 4) {
@@ -345,6 +382,7 @@ void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     } else {
       alignas(16) float mn[4];
       _mm_store_ps(mn, mins);
+      #pragma GCC unroll 8
       for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]) - mn[j];
     }
   }
@@ -354,33 +392,43 @@ template <int QT, int MT, int NT>
 void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   // Q6_K: w = D sc (q - 32) per 16 values; activations natural.
   __m512 acc[MT][NT];
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+  const int64_t pf = prefetch_distance(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* wb = w + b * kBB<QT>;
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const uint8_t* p = wb + j * row_bytes;
+      prefetch_block<kBB<QT>>(p + pf);
       const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 192)));
       const __m512i S = _mm512_castsi256_si512(s16);
       const float D = half_f16c(p + 208);
       __m512i q[4], sv[4];
       kcodes<QT>(p, q);
+      #pragma GCC unroll 8
       for (int k = 0; k < 4; k++) sv[k] = _mm512_permutexvar_epi16(k6_scale_idx(k), S);
+      #pragma GCC unroll 8
       for (int i = 0; i < MT; i++) {
         const int64_t ab = (m + i) * a.ldb + b;
         const int8_t* xq = a.q + (m + i) * a.ldq + b * 256;
         const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i*)(a.bsums + ab * 16))), 5);
         __m512i isum = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), off));
+        #pragma GCC unroll 8
         for (int k = 0; k < 4; k++)
           isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(xq + 64 * k)), sv[k]);
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(D * a.d[ab]), acc[i][j]);
       }
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++) {
     if (NT == 4) {
       _mm_storeu_ps(out + (m + i) * ldo, hsum4(acc[i][0], acc[i][NT > 1 ? 1 : 0], acc[i][NT > 2 ? 2 : 0], acc[i][NT > 3 ? 3 : 0]));
     } else {
+      #pragma GCC unroll 8
       for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]);
     }
   }
@@ -410,17 +458,24 @@ template <int QT, int MT, int NT>
 void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   constexpr bool same_d = QT == Q3_K;
   __m512 acc[MT][NT];
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+  const int64_t pf = prefetch_distance(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
+      prefetch_block<kBB<QT>>(p + pf);
       __m256i sc, mn16;
       float D, Dm;
       kscales<QT>(p, sc, mn16, D, Dm);
       const __m512i sc16 = _mm512_castsi256_si512(sc);
       __m512i isum[MT];
+      #pragma GCC unroll 8
       for (int i = 0; i < MT; i++) isum[i] = _mm512_setzero_si512();
+      #pragma GCC unroll 8
       for (int c = 0; c < 4; c++) {
         const __m512i q = codes_k23<QT>(p, c);
         // int16 lane l = sc[4c + l / 8]
@@ -428,11 +483,13 @@ void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
                                              _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
                                                                                 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
         const __m512i sv = _mm512_permutexvar_epi16(idx, sc16);
+        #pragma GCC unroll 8
         for (int i = 0; i < MT; i++) {
           const __m512i x = _mm512_loadu_si512((const void*)(a.q + (m + i) * a.ldq + b * 256 + 64 * c));
           isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(q, x), sv);
         }
       }
+      #pragma GCC unroll 8
       for (int i = 0; i < MT; i++) {
         const int64_t ab = (m + i) * a.ldb + b;
         const __m256i im = _mm256_madd_epi16(mn16, _mm256_loadu_si256((const __m256i*)(a.bsums + ab * 16)));
@@ -447,7 +504,9 @@ void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
       }
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
+    #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]);
 }
 
