@@ -27,6 +27,8 @@ from wallbreaker.engine.detokenizer import IncrementalDetokenizer
 from wallbreaker.server.app import build_app
 from wallbreaker.server.static import CONTENT_SECURITY_POLICY
 
+pytestmark = pytest.mark.slow  # a server thread and a headless browser per test
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 INSTALL_BROWSER = "apt-get install -y chromium chromium-driver"

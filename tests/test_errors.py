@@ -110,6 +110,7 @@ def test_request_errors_leave_the_engine_clean(tiny_llama):
     assert llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_cli_request_errors(tiny_llama):
     model = str(tiny_llama.gguf_path)
     assert_clean_failure(cli("generate", "--model", model, "--max-tokens", "0", "hi"), "max_tokens")

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import pytest
 from gguf import GGUFValueType as VType
 
 CASE_SECONDS = 10  # one case: rewrite, load, generate
@@ -180,6 +181,7 @@ def _check(results: list[dict], elapsed: float) -> None:
     print(f"\n{len(results)} cases ({ok} working models) in {elapsed:.1f} s, peak RSS {peak / 2**20:.0f} MiB")
 
 
+@pytest.mark.slow
 def test_gguf_metadata_fuzz(tiny_llama, tiny_gemma3) -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
@@ -188,6 +190,7 @@ def test_gguf_metadata_fuzz(tiny_llama, tiny_gemma3) -> None:
     _check(results, time.perf_counter() - start)
 
 
+@pytest.mark.slow
 def test_hf_config_fuzz(tiny_gemma3) -> None:
     """The same over a Hugging Face folder's config.json: every key (nested rope parameters too)
     set to numbers out of range, a 1 MiB string, null, a boolean, an empty list and object."""

@@ -142,6 +142,7 @@ def _isa_in_subprocess(**env) -> str:
     return out.stdout.strip() or out.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_environment_switches():
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "WALLBREAKER_CPU_ISA")}
     os.environ.clear()

@@ -233,6 +233,7 @@ def test_hf_bos_named_only_by_an_out_of_range_id(tiny_llama, tmp_path):
 
 
 # -- finding 6: metadata no model can have -----------------------------------------------------------------
+@pytest.mark.slow
 def test_gguf_block_count_memory_bomb(tiny_llama, tmp_path):
     """2**40 layers: the expected-tensor table for every layer used to exhaust memory first."""
     for value in (2**40, 2**31, 10**7):

@@ -100,6 +100,7 @@ def test_machine_profile_round_trips_through_its_json(cache):
     assert again.to_json() == profile.to_json()
 
 
+@pytest.mark.slow
 def test_inspect_shows_the_decode_bound_once_a_bandwidth_is_stored(tiny_llama, cache):
     env = {"WALLBREAKER_CACHE": str(cache)}
     assert "decode bound" not in run_cli("inspect", str(tiny_llama.gguf_path), env=env).stdout
@@ -109,6 +110,7 @@ def test_inspect_shows_the_decode_bound_once_a_bandwidth_is_stored(tiny_llama, c
     assert info["decode_bound_tokens_per_s"]["batch 1"]["context 128"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verb", ["roofline", "bench"])
 def test_verb_help_works(verb):
     result = run_cli(verb, "--help")

@@ -50,6 +50,7 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == ["model"]
 
 
+@pytest.mark.slow
 def test_greedy_completions_equal_offline_generate(client, offline):
     params = SamplingParams(temperature=0.0, max_tokens=20)
     expected = offline.generate(PROMPTS, params)

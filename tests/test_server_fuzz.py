@@ -88,6 +88,7 @@ def client(tiny_llama):
         yield c
 
 
+@pytest.mark.slow
 @settings(max_examples=200, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=cases)

@@ -74,6 +74,7 @@ def test_a_metrics_scrape_never_waits_on_the_engine_thread(tiny_llama):
 
 
 # -- bodies and prompt sizes ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_body_past_the_limit_is_413_declared_or_chunked(client):
     big = {**OK, "prompt": "x" * 17000}
     assert_openai_error(post(client, big), 413)
@@ -128,6 +129,7 @@ def test_posts_must_be_json_typed(client, content_type):
     assert_openai_error(response, 415)
 
 
+@pytest.mark.slow
 def test_slow_headers_are_cut_and_connections_are_bounded(tiny_llama, tmp_path):
     server = ServerProcess(tiny_llama.gguf_path, "--header-timeout", "1", "--max-connections", "3",
                            log_path=tmp_path / "server.log")

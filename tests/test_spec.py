@@ -176,12 +176,14 @@ def distribution_case(tiny_llama, target):
 N_SAMPLES = 1500
 
 
+@pytest.mark.slow
 def test_sampling_with_a_poor_draft_matches_the_target_distribution(target, poor_draft, distribution_case):
     prompt, exact = distribution_case
     counts = sample_second_tokens(target, poor_draft, prompt, N_SAMPLES, top_k=6)
     assert not chi_square_pvalue_is_tiny(counts, exact, N_SAMPLES)
 
 
+@pytest.mark.slow
 def test_the_distribution_check_catches_plain_acceptance(target, poor_draft, distribution_case, monkeypatch):
     """Accepting every draft outright must be detected: otherwise the test above proves nothing."""
     def accept_all(target_probs, draft_probs, drafts, generator):

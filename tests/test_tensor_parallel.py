@@ -115,6 +115,7 @@ def test_safetensors_slices_equal_the_slice_of_the_whole(tiny_qwen2):
 
 
 # -- two ranks against one process ---------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_two_ranks_give_the_same_tokens_and_logits(arch, request):
     tiny = request.getfixturevalue(f"tiny_{arch}")
@@ -125,6 +126,7 @@ def test_hugging_face_folder_loads_in_slices(tiny_qwen2):
     assert_same_as_one_process(tiny_qwen2.hf_dir, 2)
 
 
+@pytest.mark.slow
 def test_three_ranks_replicate_the_kv_heads(tiny_llama):
     assert_same_as_one_process(tiny_llama.gguf_path, 3)  # 2 KV heads over 3 ranks, query heads 1 + 1 + 2
 
@@ -162,6 +164,7 @@ def test_cli_flag_runs_two_ranks(tiny_llama, capsys):
     assert json.loads(capsys.readouterr().out)["token_ids"] == one["token_ids"]
 
 
+@pytest.mark.slow
 def test_server_is_a_drop_in(tiny_llama):
     pytest.importorskip("fastapi")
     from server_apps import app_client
@@ -176,6 +179,7 @@ def test_server_is_a_drop_in(tiny_llama):
     assert response.json()["choices"][0]["text"] == expected[0].outputs[0].text
 
 
+@pytest.mark.slow
 def test_torchrun_makes_rank_0_the_engine(tiny_llama):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "wallbreaker.cli", "generate", "-m", str(tiny_llama.gguf_path), "--dtype", "float32",
@@ -189,6 +193,7 @@ def test_torchrun_makes_rank_0_the_engine(tiny_llama):
 
 
 # -- failures ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_idle_engine_outlives_the_collective_timeout(tiny_llama):
     with LLM(tiny_llama.gguf_path, dtype="float32", tensor_parallel_size=2, tensor_parallel_timeout_s=1.0) as llm:
         first = llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
@@ -210,6 +215,7 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_worker_fails_the_engine_naming_it_and_leaves_no_process(tiny_llama, tmp_path):
     timeout = 10.0
     script = tmp_path / "generate_forever.py"
