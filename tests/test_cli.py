@@ -54,3 +54,24 @@ def test_inspect_describes_formats_and_bytes_per_token(packaged_model):
     assert "llama: 30 layers" in result.stdout and "Q4_1" in result.stdout and "Q8_0" in result.stdout
     info = json.loads(run("inspect", "smollm2", "--json").stdout)
     assert info["kv_bytes_per_token_float32"] == 46080  # 30 layers x 3 KV heads x 64 x K,V x 4 bytes
+
+
+def test_sampling_engine_and_quantize_fields_are_all_flags():
+    """The flags are generated from the dataclasses: a field added there is a flag here."""
+    import dataclasses
+
+    from wallbreaker import EngineConfig
+    from wallbreaker.cli import build_parser, engine_options, sampling_params
+    from wallbreaker.quant.pipeline import QuantizeConfig
+    args = build_parser().parse_args(["generate", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5",
+                                      "--stop", "a", "--stop", "b", "--stop-token-ids", "7", "--ignore-eos",
+                                      "--no-enable-prefix-caching", "Hello"])
+    p = sampling_params(args)
+    assert (p.presence_penalty, p.frequency_penalty, p.stop, p.stop_token_ids, p.ignore_eos) == \
+        (0.5, -0.5, ["a", "b"], [7], True)
+    assert p.temperature == 0.0 and p.max_tokens == 64  # the CLI's own defaults: greedy, 64 tokens
+    options = engine_options(args)
+    assert set(options) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    assert options["enable_prefix_caching"] is False
+    q = build_parser().parse_args(["quantize", "--method", "rtn", "--bits", "4", "MODEL", "OUT"])
+    assert {f.name for f in dataclasses.fields(QuantizeConfig)} <= set(vars(q))
