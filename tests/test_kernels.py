@@ -91,6 +91,24 @@ def test_kernel_matches_gguf_dequantization(level, qtype):
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_every_row_length_and_tile_tail(level, qtype):
+    """Row lengths that end in each kind of short group (the 32-block layout and activations go
+    in groups of 4 blocks, the kernels in windows of 8 or 16 blocks) and row counts that leave a
+    tail after the 4-row and 2-row tiles, at 1, 2 and 5 activation rows."""
+    blocks = [1, 3] if qtype.name.endswith("_K") else [1, 2, 3, 5, 16, 17, 33]
+    size = block_info(qtype)[0]
+    gen = torch.Generator().manual_seed(7 + int(qtype))
+    for nb in blocks:
+        k = nb * size
+        raw = random_blocks(qtype, 13, k, seed=nb)
+        w = kernels.pack_rows(torch.from_numpy(raw), qtype)
+        for m in (1, 2, 5):
+            x = torch.randn(m, k, generator=gen) * 3
+            check(qtype, x, raw, kernels.qmatmul(x, [w], [qtype]))
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
 def test_bfloat16_activations(level):
     raw = random_blocks(T.Q4_K, 20, 512, seed=3)
     x = torch.randn(5, 512).to(torch.bfloat16)
@@ -162,8 +180,14 @@ def test_environment_switches():
 # -- blocks made at load ------------------------------------------------------------------------
 def test_layout_round_trip_and_q8_0_blocks_equal_gguf():
     for qtype in FORMATS:
-        raw = torch.from_numpy(random_blocks(qtype, 3, 512, seed=5))
-        assert torch.equal(kernels.unpack_rows(kernels.pack_rows(raw, qtype), qtype), raw)
+        for k in (512, 256 * 7):  # 32-blocks: 4 full groups of 4; 14 groups and a short one of 0
+            raw = torch.from_numpy(random_blocks(qtype, 3, k, seed=5))
+            assert torch.equal(kernels.unpack_rows(kernels.pack_rows(raw, qtype), qtype), raw)
+        if qtype in kernels.BLOCK32_TYPES:
+            for k in (32, 96, 608):  # a row's last group of 1, 3 and 3 blocks
+                raw = torch.from_numpy(random_blocks(qtype, 2, k, seed=6))
+                packed = kernels.pack_rows(raw, qtype)
+                assert packed.shape == raw.shape and torch.equal(kernels.unpack_rows(packed, qtype), raw)
     w = torch.randn(8, 96)
     assert np.array_equal(q8_0_blocks(w).numpy(), gguf.quants.quantize(w.numpy(), T.Q8_0))
 
