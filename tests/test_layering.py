@@ -28,12 +28,8 @@ LAYERS = {
     "measure": 10,
     "cli": 11, "__init__": 11,
 }
-# Known exceptions, each with the change that removes it.
-EXCEPTIONS = {
-    # quant/grid.py re-exports formats/grid.py's QuantizedTensor until kernels/blocks.py imports it
-    # from ..formats.grid; then delete quant/grid.py and this entry.
-    ("wallbreaker.kernels.blocks", "wallbreaker.quant.grid"),
-}
+# Known exceptions to the rule (none now), each to be listed with the change that removes it.
+EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def modules() -> dict[str, Path]:

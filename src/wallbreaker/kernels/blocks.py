@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.grid import QuantizedTensor
+from ..formats.grid import QuantizedTensor
 
 
 def q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
