@@ -66,7 +66,7 @@ def real_engine(model: str | None, options: dict, num_blocks: int) -> tuple[LLME
     from wallbreaker import LLM, EngineConfig
     from wallbreaker.kv.cache import bytes_per_block
     config = EngineConfig(**options)
-    per_block = bytes_per_block(open_model(model).config, config.kv_block_size, config.kv_cache_dtype)
+    per_block = bytes_per_block(open_model(model).config, config.kv_block_size, config.kv_cache_torch_dtype)
     llm = LLM(model, **options, kv_cache_memory_gb=(num_blocks + 0.5) * per_block / 2**30)
     return llm.engine, llm.max_model_len
 

@@ -239,3 +239,8 @@ def test_killed_worker_fails_the_engine_naming_it_and_leaves_no_process(tiny_lla
     assert elapsed < timeout
     time.sleep(0.5)
     assert not [p.pid for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_two_ranks_on_int8_pages_give_the_same_tokens(tiny_llama):
+    """Each rank quantizes its own KV heads' pages, per token and head as one process does."""
+    assert_same_as_one_process(tiny_llama.gguf_path, 2, kv_cache_dtype="int8")

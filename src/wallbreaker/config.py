@@ -148,6 +148,10 @@ class ModelConfig:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# int8: symmetric, one float32 scale per token and KV head (amax / 127); fp8: e4m3 with such a
+# scale (amax / 448). Both are written by the fused cache write and read by the paged kernel.
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
+                   "fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -157,6 +161,7 @@ class EngineConfig:
     model: str | os.PathLike | None = None
     dtype: str = "auto"
     device: str = "cpu"
+    kv_cache_dtype: str = "auto"  # "auto" (bfloat16 on the auto path, else the model's dtype) | KV_CACHE_DTYPES
     kv_block_size: int = 16
     kv_cache_memory_gb: float | None = None
     max_num_seqs: int = 64
@@ -174,6 +179,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
             raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
+            raise InvalidRequestError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; "
+                                      f"got {self.kv_cache_dtype!r}")
         for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidRequestError(f"{name} must be at least 1")
@@ -198,8 +206,11 @@ class EngineConfig:
         return torch.float32 if self.dtype == "auto" else _DTYPES[self.dtype]
 
     @property
-    def kv_cache_dtype(self) -> torch.dtype:
-        """bfloat16 on the `auto` path: batched decoding reads the KV cache more than the weights."""
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The pages' dtype. `auto`: bfloat16 on the `auto` path (batched decoding reads the KV cache
+        more than the weights), the model's dtype on the others (float32: the exact path)."""
+        if self.kv_cache_dtype != "auto":
+            return KV_CACHE_DTYPES[self.kv_cache_dtype]
         return torch.bfloat16 if self.dtype == "auto" else self.torch_dtype
 
     @property

@@ -98,7 +98,7 @@ class LLM:
     def _num_blocks(self, max_len: int) -> int:
         """KV blocks for the whole model (under tensor parallelism each rank holds its heads' share)."""
         c = self.config
-        return default_num_blocks(self.model_config, c.kv_block_size, c.kv_cache_dtype, c.kv_cache_memory_gb,
+        return default_num_blocks(self.model_config, c.kv_block_size, c.kv_cache_torch_dtype, c.kv_cache_memory_gb,
                                   c.max_num_seqs * max_len)
 
     def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int) -> ModelRunner:
@@ -249,4 +249,5 @@ class LLM:
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "weight_bytes_resident": self.weight_bytes_resident,
-                "kv_cache_bytes": self.kv_cache.nbytes}
+                "kv_cache_bytes": self.kv_cache.nbytes,
+                "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch.")}

@@ -34,7 +34,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         for i, attn in enumerate(model.attention_layers()):
-            attn.k_cache, attn.v_cache = kv_cache.layer(i)
+            attn.kv = kv_cache.layer(i)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[list[Sequence], torch.Tensor]:

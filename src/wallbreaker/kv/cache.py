@@ -3,6 +3,10 @@
 Heads outermost, so gathering a sequence's slots yields [kv_heads, tokens, head_dim], the layout
 attention multiplies with, without a transposing copy.
 
+Quantized pages (int8, fp8) carry one float32 scale per token and head beside them,
+[layers, K/V, kv_heads, slots]: written with the page by the fused cache write, read with it by
+the paged attention kernel, copied with it on copy-on-write.
+
 Zero-filled (attention masks the unused slots of a gathered block; a masked zero contributes
 nothing where garbage could be NaN) and touched up front: a first write to a fresh page costs a
 page fault, which the first decode steps would otherwise pay."""
@@ -12,7 +16,10 @@ import psutil
 import torch
 
 from ..config import EngineConfig, ModelConfig
+from ..layers.attention import LayerKV
 from ..layers.shard import Shard, local_kv_config
+
+QUANTIZED_KV_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn})
 
 
 class KVCache:
@@ -20,11 +27,19 @@ class KVCache:
                  device: torch.device | str = "cpu"):
         shape = (config.num_layers, 2, config.num_kv_heads, num_blocks * block_size, config.head_dim)
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) \
+            if dtype in QUANTIZED_KV_DTYPES else None
         self.block_size = block_size
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of layer i: [kv_heads, slots, head_dim] each."""
-        return self.tensor[i, 0], self.tensor[i, 1]
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def layer(self, i: int) -> LayerKV:
+        """Layer i's pages (views of the pool), with their scales for int8 / fp8 pages."""
+        if self.scales is None:
+            return LayerKV(self.tensor[i, 0], self.tensor[i, 1])
+        return LayerKV(self.tensor[i, 0], self.tensor[i, 1], self.scales[i, 0], self.scales[i, 1])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -32,19 +47,22 @@ class KVCache:
             src = (torch.tensor([s for s, _ in copies], device=self.tensor.device)[:, None] * self.block_size + offsets)
             dst = (torch.tensor([d for _, d in copies], device=self.tensor.device)[:, None] * self.block_size + offsets)
             self.tensor[:, :, :, dst.flatten()] = self.tensor[:, :, :, src.flatten()]
+            if self.scales is not None:
+                self.scales[:, :, :, dst.flatten()] = self.scales[:, :, :, src.flatten()]
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.tensor.numel() * self.tensor.element_size() + scales
 
 
 DEFAULT_MAX_GB = 2.0  # zeroed at start, so the default stays modest
 
 
 def scale_bytes(dtype: torch.dtype) -> int:
-    """Bytes of scale stored beside one head's K (or V) at one position: none in a float cache. The
-    int8 / fp8 cache, one float32 scale per token and head (what the paged kernel reads), adds 4 here."""
-    return 0
+    """Bytes of scale stored beside one head's K (or V) at one position: none in a float cache, one
+    float32 for int8 and fp8 pages."""
+    return 4 if dtype in QUANTIZED_KV_DTYPES else 0
 
 
 def kv_bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -80,4 +98,4 @@ def make_kv_cache(model_config: ModelConfig, config: EngineConfig, num_blocks: i
     """The KV pool; a tensor-parallel rank's holds the same blocks, for its own KV heads only."""
     if shard is not None:
         model_config = local_kv_config(model_config, shard)
-    return KVCache(model_config, num_blocks, config.kv_block_size, config.kv_cache_dtype, device)
+    return KVCache(model_config, num_blocks, config.kv_block_size, config.kv_cache_torch_dtype, device)

@@ -9,6 +9,7 @@ where the work is matrix products that SDPA tiles well.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,16 @@ import torch.nn.functional as F
 from .. import _C
 
 MAX_PAGED_QUERIES = 33  # a sequence with at most this many new tokens goes to the paged kernel
+
+
+class LayerKV(NamedTuple):
+    """One layer's K and V pages, [kv_heads, slots, head_dim] each; for int8 and fp8 pages also
+    their scales, [kv_heads, slots], one per token and head."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -47,24 +58,24 @@ class AttentionMetadata:
         return self._memo[key]
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim]. The new tokens' K/V must already be written."""
     n = meta.num_paged_tokens
     if n == q.shape[0] and not meta.prefills:
-        return _paged(q, k_cache, v_cache, meta, scale, sliding_window)
+        return _paged(q, kv, meta, scale, sliding_window)
     out = torch.empty_like(q)
     if n:
-        out[:n] = _paged(q[:n], k_cache, v_cache, meta, scale, sliding_window)
+        out[:n] = _paged(q[:n], kv, meta, scale, sliding_window)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
-        out[rows] = _prefill(q[rows], k_cache, v_cache, span, scale, sliding_window, meta.block_size)
+        out[rows] = _prefill(q[rows], kv, span, scale, sliding_window, meta.block_size)
     return out
 
 
-def _paged(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window):
-    out = _C.paged_attention(q, k_cache, v_cache, None, None, meta.block_tables, meta.query_start, meta.context_lens,
-                             meta.block_size, scale, sliding_window or 0, 0.0)
+def _paged(q, kv: LayerKV, meta: AttentionMetadata, scale, sliding_window):
+    out = _C.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, meta.block_tables, meta.query_start,
+                             meta.context_lens, meta.block_size, scale, sliding_window or 0, 0.0)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -74,10 +85,19 @@ def _slots(block_table: torch.Tensor, block_size: int) -> torch.Tensor:
     return (block_table[..., None] * block_size + offsets).flatten(-2)
 
 
-def _prefill(q, k_cache, v_cache, span: PrefillSpan, scale, sliding_window, block_size: int):
+def _gathered(pages: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, ctx, head_dim] of one sequence's context; quantized pages dequantized to bfloat16
+    (this sequence's context only, never a float copy of the cache)."""
+    x = pages[:, slots]
+    if scales is None:
+        return x
+    return (x.float() * scales[:, slots, None]).to(torch.bfloat16)
+
+
+def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int):
     slots = _slots(span.block_table[: -(-span.context_len // block_size)], block_size)[: span.context_len]
-    k = k_cache[:, slots][None]  # [1, kv_heads, ctx, head_dim]
-    v = v_cache[:, slots][None]
+    k = _gathered(kv.k, kv.k_scale, slots)[None]  # [1, kv_heads, ctx, head_dim]
+    v = _gathered(kv.v, kv.v_scale, slots)[None]
     q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
     fresh = span.context_len == span.length
     if fresh and (sliding_window is None or span.context_len <= sliding_window):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from ..config import EngineConfig
+from ..config import KV_CACHE_DTYPES, EngineConfig
 from ..formats import open_model
 from ..kv.cache import kv_bytes_per_token
 from .roofline import stored_bandwidth, stored_decode_cost
@@ -25,7 +25,8 @@ def describe(model: str | None, json_output: bool = False) -> str:
         bytes_by_type[w.stored_type] += w.nbytes
     weight_bytes = files.weight_bytes
     kv_f32 = kv_bytes_per_token(cfg, torch.float32)
-    stored = stored_decode_cost(files, torch.float32)
+    kv_by_dtype = {name: kv_bytes_per_token(cfg, dtype) for name, dtype in KV_CACHE_DTYPES.items()}
+    stored = stored_decode_cost(files, EngineConfig().kv_cache_torch_dtype)
     info = {
         "path": str(files.path), "format": files.format, "architecture": cfg.architecture,
         "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "heads": cfg.num_heads,
@@ -34,7 +35,7 @@ def describe(model: str | None, json_output: bool = False) -> str:
         "rope_theta": cfg.rope_theta, "tied_output_head": cfg.tie_word_embeddings,
         "tensors": len(files.weights), "tensor_types": dict(by_type),
         "tensor_bytes_by_type": dict(bytes_by_type), "weight_bytes_stored": weight_bytes,
-        "kv_bytes_per_token_float32": kv_f32,
+        "kv_bytes_per_token_float32": kv_f32, "kv_bytes_per_token": kv_by_dtype,
         "bytes_read_per_decoded_token": {f"context {n}": stored.bytes_per_step(1, n) for n in (1, 512, 4096)},
     }
     bandwidth = stored_bandwidth()
@@ -50,8 +51,8 @@ def describe(model: str | None, json_output: bool = False) -> str:
              f"  tensors        {len(files.weights)}, {weight_bytes / 1e6:.1f} MB as stored"]
     for t, count in by_type.most_common():
         lines.append(f"    {t:<6} {count:4d} tensors  {bytes_by_type[t] / 1e6:9.1f} MB")
-    lines.append(f"  KV cache       {kv_f32:,} bytes per token (float32)")
-    lines.append("  read per decoded token (weights once + KV of the context, batch 1):")
+    lines.append("  KV cache       bytes per token: " + ", ".join(f"{b:,} ({name})" for name, b in kv_by_dtype.items()))
+    lines.append("  read per decoded token (weights once + KV of the context in bfloat16, batch 1):")
     for label, b in info["bytes_read_per_decoded_token"].items():
         lines.append(f"    {label:<13} {b / 1e6:9.1f} MB")
     if bandwidth:
@@ -67,7 +68,7 @@ def describe(model: str | None, json_output: bool = False) -> str:
 
 def _bounds(files, bandwidth: float) -> dict:
     """Memory-bound decode tokens/s with the KV cache in the dtype the default (`auto`) path keeps it in."""
-    kv_dtype = EngineConfig().kv_cache_dtype
+    kv_dtype = EngineConfig().kv_cache_torch_dtype
     cost = stored_decode_cost(files, kv_dtype)
     out: dict = {"bandwidth_gb_per_s": bandwidth / 1e9, "kv_dtype": str(kv_dtype).removeprefix("torch.")}
     for batch in BOUND_BATCHES:

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import _C
 from ..config import ModelConfig
-from ..layers.attention import AttentionMetadata, paged_attention
+from ..layers.attention import AttentionMetadata, LayerKV, paged_attention
 from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM, rms_norm
 from .source import WeightSource
@@ -32,17 +32,17 @@ class Attention(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, theta, 1.0 if sliding else cfg.rope_scaling_factor)
         self.sliding_window = cfg.sliding_window if sliding else None
         self.scale = cfg.attn_scale
-        self.k_cache: torch.Tensor | None = None  # [kv_heads, slots, head_dim], bound by the runner
-        self.v_cache: torch.Tensor | None = None
+        self.kv: LayerKV | None = None  # this layer's pages in the KV pool, bound by the runner
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv(x)  # [T, (heads + 2 kv_heads) * head_dim]
         cos, sin = meta.rotary(self.rope)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        q = _C.rope_write_kv(qkv, cos, sin, self.k_cache, self.v_cache, meta.slot_mapping, self.num_heads,
-                             self.num_kv_heads, *norms, eps)  # [T, heads, head_dim]; K/V are in the cache
-        out = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        kv = self.kv
+        q = _C.rope_write_kv(qkv, cos, sin, kv.k, kv.v, meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                             *norms, eps, kv.k_scale, kv.v_scale)  # [T, heads, head_dim]; K/V are in the cache
+        out = paged_attention(q, kv, meta, self.scale, self.sliding_window)
         return self.o(out.flatten(1))
 
 

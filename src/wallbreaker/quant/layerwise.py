@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers.attention import AttentionMetadata, PrefillSpan
+from ..layers.attention import AttentionMetadata, LayerKV, PrefillSpan
 
 
 class _Stop(Exception):
@@ -89,8 +89,8 @@ class LayerRunner:
         """Layer `i` on [N, L, hidden] (the first `samples` sequences only, if given) -> its output."""
         layer = self.model.layers[i]
         attn = layer.attn
-        saved = attn.k_cache, attn.v_cache
-        attn.k_cache, attn.v_cache = self._k, self._v
+        saved = attn.kv
+        attn.kv = LayerKV(self._k, self._v)
         hidden = hidden[:samples] if samples else hidden
         outs = []
         try:
@@ -100,5 +100,5 @@ class LayerRunner:
                 h, delta = layer(chunk.reshape(-1, chunk.shape[-1]).float().clone(), meta)
                 outs.append(h + delta)
         finally:
-            attn.k_cache, attn.v_cache = saved
+            attn.kv = saved
         return torch.cat(outs).view(hidden.shape)

@@ -37,6 +37,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     stops with the app's lifespan."""
     config = dataclasses.replace(config or ServerConfig(), **settings)
     metrics = ServerMetrics()
+    metrics.kv_cache_bytes.labels(str(llm.kv_cache.dtype).removeprefix("torch.")).set(llm.kv_cache.nbytes)
     state = ServerState(llm, AsyncEngine(llm, metrics, config.max_queue), metrics,
                         config.served_model_name or default_model_name(llm), config)
 

@@ -21,6 +21,8 @@ class ServerMetrics:
                                   "Sequences admitted beyond the engine's seats (bounded by --max-queue)", registry=r)
         self.kv_blocks_used = Gauge("wallbreaker_kv_blocks_used", "KV blocks held by live sequences", registry=r)
         self.kv_blocks_total = Gauge("wallbreaker_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.kv_cache_bytes = Gauge("wallbreaker_kv_cache_bytes", "Bytes of the KV pool in its page dtype, scales included",
+                                    ["dtype"], registry=r)
         self.spec_acceptance_rate = Gauge("wallbreaker_spec_acceptance_rate",
                                           "Accepted / proposed speculative tokens", registry=r)
         self.prompt_tokens = Counter("wallbreaker_prompt_tokens", "Prompt tokens received", registry=r)
