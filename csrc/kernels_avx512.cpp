@@ -165,19 +165,23 @@ inline void group_dot(const uint8_t* w, int64_t row_bytes, int64_t qoff, const A
                       int64_t G, __m512i idx, const __m512* dw, const __m512* dx, __m512 (*acc)[NT], int64_t pf) {
   constexpr int QB = kQB<QT>;
   const __mmask64 kx = bytes_mask(16 * G);
-  #pragma GCC unroll 8
+  __m512 sx[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; i++) sx[i] = _mm512_permutexvar_ps(idx, dx[i]);
+#pragma GCC unroll 8
   for (int j = 0; j < NT; j++) {
+#pragma GCC unroll 8
     for (int l = 0; l < 4 * QB; l += 64) prefetch(w + j * row_bytes + qoff + 4 * g * QB + pf + l);
     __m512i lo, hi;
     group_codes<QT, FULL>(w + j * row_bytes + qoff + 4 * g * QB, G, lo, hi);
     const __m512 sw = _mm512_permutexvar_ps(idx, dw[j]);
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < MT; i++) {
       const int8_t* xq = a.q + (m + i) * a.ldq + 128 * g;
       const __m512i xl = FULL ? _mm512_loadu_si512(xq) : _mm512_maskz_loadu_epi8(kx, xq);
       const __m512i xh = FULL ? _mm512_loadu_si512(xq + 64) : _mm512_maskz_loadu_epi8(kx, xq + 16 * G);
       const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
-      const __m512 sc = MT == 1 ? sw : _mm512_mul_ps(sw, _mm512_permutexvar_ps(idx, dx[i]));
+      const __m512 sc = MT == 1 ? sw : _mm512_mul_ps(sw, sx[i]);
       acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[i][j]);
     }
   }
@@ -281,40 +285,30 @@ inline __m512i k6_scale_idx(int k) {
   return _mm512_add_epi16(_mm512_set1_epi16((short)(4 * k)), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
 }
 
-// Codes of one row's block, 4 chunks of 64 values (Q4_K/Q5_K: in qk order; Q6_K: natural).
+// Codes of 64-value chunk k (0..3) of one row's block (Q4_K/Q5_K: in qk order; Q6_K: natural).
 template <int QT>
-inline void kcodes(const uint8_t* p, __m512i* q) {
+inline __m512i kcode(const uint8_t* p, int k) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const int h = k / 2;
   if (QT == Q4_K || QT == Q5_K) {
-    const uint8_t* qs = p + (QT == Q4_K ? 16 : 48);
-    #pragma GCC unroll 8
-    for (int h = 0; h < 2; h++) {
-      const __m512i v = _mm512_loadu_si512(qs + 64 * h);
-      q[2 * h] = _mm512_and_si512(v, m4);
-      q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-    }
+    const __m512i v = _mm512_loadu_si512(p + (QT == Q4_K ? 16 : 48) + 64 * h);
+    __m512i q = k % 2 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), m4) : _mm512_and_si512(v, m4);
     if (QT == Q5_K) {
       const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 16)));
-      const __m512i b4 = _mm512_set1_epi8(0x10);
-      #pragma GCC unroll 8
-      for (int k = 0; k < 4; k++) {
-        const int sa = 4 * (k / 2) + k % 2;  // sub-blocks sa (bytes 0..31) and sa + 2 (32..63)
-        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << sa)), _mm256_set1_epi8((char)(1 << (sa + 2))), 1);
-        q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(qh, bit), q[k], b4);
-      }
+      const int sa = 4 * (k / 2) + k % 2;  // sub-blocks sa (bytes 0..31) and sa + 2 (32..63)
+      const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << sa)), _mm256_set1_epi8((char)(1 << (sa + 2))), 1);
+      q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, bit), q, _mm512_set1_epi8(0x10));
     }
-  } else {  // Q6_K: ql[128], qh[64]
-    const __m512i m30 = _mm512_set1_epi8(0x30);
-    const __m512i rl = _mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(2), 1);
-    const __m512i rh = _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(30), 1);
-    #pragma GCC unroll 8
-    for (int h = 0; h < 2; h++) {
-      const __m512i v = _mm512_loadu_si512(p + 64 * h);
-      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h)));
-      q[2 * h] = _mm512_ternarylogic_epi32(v, m4, _mm512_and_si512(_mm512_rolv_epi32(qh, rl), m30), 0xEA);
-      q[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), m4, _mm512_and_si512(_mm512_rolv_epi32(qh, rh), m30), 0xEA);
-    }
+    return q;
   }
+  // Q6_K: ql[128], qh[64]; the high 2 bits of values 0-31 (32-63, 64-95, 96-127) of a half are
+  // bits 0-1 (2-3, 4-5, 6-7) of its 32 qh bytes, brought to bits 4-5 by one rotate per dword
+  const __m512i v = _mm512_loadu_si512(p + 64 * h);
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h)));
+  const __m512i rot = k % 2 ? _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(30), 1)
+                            : _mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(2), 1);
+  const __m512i hb = _mm512_and_si512(_mm512_rolv_epi32(qh, rot), _mm512_set1_epi8(0x30));
+  return _mm512_ternarylogic_epi32(k % 2 ? _mm512_srli_epi16(v, 4) : v, m4, hb, 0xEA);  // (lo & m4) | hb
 }
 
 template <int QT, int MT, int NT>
@@ -358,19 +352,21 @@ void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const __m512i Rj = _mm512_shuffle_i32x4(R, R, j * 0x55);
-      __m512i q[4], sv[4];
-      kcodes<QT>(wb + j * row_bytes, q);
-      #pragma GCC unroll 8
-      for (int k = 0; k < 4; k++) sv[k] = _mm512_shuffle_epi8(Rj, k4_scale_ctrl(k));
-      #pragma GCC unroll 8
-      for (int i = 0; i < MT; i++) {
-        const int8_t* xq = a.qk + (m + i) * a.ldq + b * 256;
-        __m512i isum = _mm512_setzero_si512();
-        #pragma GCC unroll 8
-        for (int k = 0; k < 4; k++)
-          isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(xq + 64 * k)), sv[k]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(ddx[i][j]), acc[i][j]);
+      __m512i isum[MT];
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; i++) isum[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < 4; k++) {
+        const __m512i q = kcode<QT>(wb + j * row_bytes, k), sv = _mm512_shuffle_epi8(Rj, k4_scale_ctrl(k));
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; i++) {
+          const __m512i x = _mm512_loadu_si512(a.qk + (m + i) * a.ldq + b * 256 + 64 * k);
+          isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(q, x), sv);
+        }
       }
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; i++)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(ddx[i][j]), acc[i][j]);
     }
   }
   #pragma GCC unroll 8
@@ -406,21 +402,26 @@ void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, in
       const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 192)));
       const __m512i S = _mm512_castsi256_si512(s16);
       const float D = half_f16c(p + 208);
-      __m512i q[4], sv[4];
-      kcodes<QT>(p, q);
-      #pragma GCC unroll 8
-      for (int k = 0; k < 4; k++) sv[k] = _mm512_permutexvar_epi16(k6_scale_idx(k), S);
-      #pragma GCC unroll 8
+      __m512i isum[MT];
+      // the -32 of every code: -sum_k 32 s_k bsums_k, one dpwssd (32 s_k fits int16, 32 bsums_k may not)
+      const __m256i s32 = _mm256_slli_epi16(s16, 5);
+#pragma GCC unroll 8
       for (int i = 0; i < MT; i++) {
-        const int64_t ab = (m + i) * a.ldb + b;
-        const int8_t* xq = a.q + (m + i) * a.ldq + b * 256;
-        const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i*)(a.bsums + ab * 16))), 5);
-        __m512i isum = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), off));
-        #pragma GCC unroll 8
-        for (int k = 0; k < 4; k++)
-          isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(q[k], _mm512_loadu_si512(xq + 64 * k)), sv[k]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(D * a.d[ab]), acc[i][j]);
+        const __m256i nbs = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i*)(a.bsums + ((m + i) * a.ldb + b) * 16)));
+        isum[i] = _mm512_zextsi256_si512(_mm256_dpwssd_epi32(_mm256_setzero_si256(), s32, nbs));
       }
+#pragma GCC unroll 8
+      for (int k = 0; k < 4; k++) {
+        const __m512i q = kcode<QT>(p, k), sv = _mm512_permutexvar_epi16(k6_scale_idx(k), S);
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; i++) {
+          const __m512i x = _mm512_loadu_si512(a.q + (m + i) * a.ldq + b * 256 + 64 * k);
+          isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(q, x), sv);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; i++)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(D * a.d[(m + i) * a.ldb + b]), acc[i][j]);
     }
   }
   #pragma GCC unroll 8
