@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..formats import open_model
+from .machine import describe_machine, machine_facts
 from .reporting import bar_plot, markdown_table, median, write_json
 from .roofline import model_cost, request_roofline_fraction, roofline_fraction, stored_bandwidth, stored_decode_cost
 
@@ -246,6 +247,7 @@ def summarize(samples: dict[str, dict[str, list[float]]], args: argparse.Namespa
     if bandwidth is None:
         notes.append("no stored bandwidth: run `wallbreaker roofline` once for roofline fractions")
     return {"model": resolve_model_path(args.model).name, "config": config, "threads": threads,
+            "machine": machine_facts(threads),
             "bandwidth_bytes_per_s": bandwidth, "metrics": metrics, "samples": samples, "medians": medians,
             "ratios": ratios, "notes": notes, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
@@ -261,7 +263,8 @@ def render(report: dict) -> str:
         row += [report["medians"][e].get(key) for e in engines]
         row += [f"{report['ratios'][b][key]:.2f}x" if key in report["ratios"][b] else None for b in baselines]
         rows.append(row)
-    lines = [f"{report['model']}, {report['threads']} threads, medians of {report['config']['runs']} run(s)", "",
+    lines = [f"{report['model']}, {report['threads']} threads, medians of {report['config']['runs']} run(s)",
+             f"machine: {describe_machine(report['machine'])}", "",
              markdown_table(headers, rows, 2)]
     if report["notes"]:
         lines += [""] + [f"- {n}" for n in report["notes"]]

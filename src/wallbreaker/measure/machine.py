@@ -65,6 +65,37 @@ class MachineProfile:
         return cls(bandwidth=bandwidth, flops=flops, **rest)
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_facts(threads: int | None = None) -> dict:
+    """What every speed figure must name: the CPU, the instruction set our kernels and ATen ran at
+    (forced lower by WALLBREAKER_CPU_ISA / ATEN_CPU_CAPABILITY), the threads, and the stored read
+    bandwidth at those threads (`wallbreaker roofline` measures and stores it)."""
+    from .. import kernels
+    threads = threads or torch.get_num_threads()
+    profile = load_profile()
+    bandwidth = profile.read_bandwidth(threads) if profile else None
+    return {"cpu": cpu_model(), "cpu_isa": kernels.cpu_isa(), "kernel_isa": kernels.isa(),
+            "aten_isa": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+            "read_bandwidth_gb_per_s": round(bandwidth / 1e9, 1) if bandwidth else None}
+
+
+def describe_machine(facts: dict) -> str:
+    bandwidth = f"{facts['read_bandwidth_gb_per_s']} GB/s read" if facts.get("read_bandwidth_gb_per_s") \
+        else "bandwidth not measured (run `wallbreaker roofline`)"
+    return (f"{facts['cpu']}; kernels {facts['kernel_isa']} (CPU supports {facts['cpu_isa']}), "
+            f"ATen {facts['aten_isa']}; {facts['threads']} threads; {bandwidth}")
+
+
 def machine_path() -> Path:
     from ..formats.packaged import cache_dir
     return cache_dir() / "machine.json"

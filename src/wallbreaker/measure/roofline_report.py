@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .machine import MIN_STORED_BUFFER_MIB, MachineProfile, measure, store_profile
+from .machine import MIN_STORED_BUFFER_MIB, MachineProfile, describe_machine, machine_facts, measure, store_profile
 from .reporting import fmt, markdown_table, write_json
 from .roofline import DecodeCost, llm_cost, machine_profile, roofline_fraction
 
@@ -114,8 +114,10 @@ def run(args: argparse.Namespace, options: dict) -> int:
     profile, source = _profile(args, threads)
     bandwidth = profile.read_bandwidth(threads)
     flops = {k: s.best for k, s in profile.flops.items()} or None
-    lines = [f"Machine ({source}):"] + machine_lines(profile)
-    report: dict[str, Any] = {"machine": profile.to_json(), "threads": threads, "bandwidth_used": bandwidth}
+    facts = machine_facts(threads)
+    lines = [f"Machine ({source}): {describe_machine(facts)}"] + machine_lines(profile)
+    report: dict[str, Any] = {"machine": profile.to_json(), "machine_facts": facts, "threads": threads,
+                              "bandwidth_used": bandwidth}
     if args.decode_tokens <= 0:
         args.decode_tokens = 0
     llm = load(args, options, threads)
