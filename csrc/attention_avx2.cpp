@@ -10,21 +10,12 @@
 
 #include <vector>
 
-#include "fp8.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
 namespace wb {
 namespace {
-
-struct Fp8Table {
-  float v[256];
-  Fp8Table() {
-    for (int i = 0; i < 256; i++) v[i] = fp8_e4m3_to_float((uint8_t)i);
-  }
-};
-const Fp8Table kFp8;
 
 template <int KVT>
 inline __m256 load8(const void* row, int64_t i) {
@@ -37,7 +28,13 @@ inline __m256 load8(const void* row, int64_t i) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i)));
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + i));
   if (KVT == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  return _mm256_i32gather_ps(kFp8.v, _mm256_cvtepu8_epi32(b), 4);
+  // fp8 e4m3 as float16 bits: exponent and mantissa moved up 7 places read as a float16 are 2^-8
+  // times the e4m3 value (its subnormals become float16 subnormals, which F16C widens exactly), so
+  // one multiply by 256 restores it. The quantizer never writes NaN (values are clamped to ±448).
+  const __m128i w = _mm_cvtepu8_epi16(b);
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 
 inline float hsum8(__m256 v) {
