@@ -551,7 +551,11 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
 #define WB_MTK 4
 #define WB_NTK 1
 #endif
-constexpr int MT_B32 = 4, NT_B32 = 2, MT_K = WB_MTK, NT_K = WB_NTK, NT_M1 = 4;
+#ifndef WB_MTB
+#define WB_MTB 4
+#define WB_NTB 2
+#endif
+constexpr int MT_B32 = WB_MTB, NT_B32 = WB_NTB, MT_K = WB_MTK, NT_K = WB_NTK, NT_M1 = 4;
 #include "tile_driver.inc"
 
 const Kernels kTable = {quantize32, quantize256, matmul};
