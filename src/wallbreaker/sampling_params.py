@@ -1,9 +1,10 @@
 """Per-request sampling parameters, shaped like vLLM's `SamplingParams`."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from wallbreaker.errors import InvalidRequestError
 
@@ -15,6 +16,11 @@ MAX_STOP_STRING_CHARS = 128
 MAX_STOP_TOKEN_IDS = 1024
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows.
 GREEDY_EPS = 1e-5
+# logit_bias values, as OpenAI bounds them: -100 bans a token in practice, +100 forces it.
+MAX_LOGIT_BIAS = 100.0
+# bad_words are matched against every sequence's last tokens at every step: bounded like stop strings.
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARS = 128
 
 
 def _is_int(x: object) -> bool:
@@ -23,6 +29,84 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, vLLM's `StructuredOutputsParams`: exactly one of `json` (a JSON
+    schema, as a dict or its text), `regex`, `choice` (the output is one of these strings),
+    `grammar` (EBNF: GBNF as llama.cpp writes it, or Lark) or `json_object` (any JSON object).
+    `disable_any_whitespace` makes JSON compact (no whitespace between tokens)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        elif self.json_object is not None and self.json_object is not False:
+            _fail(f"structured_outputs.json_object must be a bool, got {type(self.json_object).__name__}")
+        if len(given) != 1:
+            _fail("structured_outputs takes exactly one of json, regex, choice, grammar, json_object"
+                  + (f"; got {', '.join(given)}" if given else ""))
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except ValueError as e:
+                    _fail(f"structured_outputs.json is not valid JSON: {e}")
+            if not isinstance(self.json, (dict, bool)):
+                _fail(f"structured_outputs.json must be a JSON schema (an object), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                _fail("structured_outputs.choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) for c in self.choice):
+                _fail("structured_outputs.choice must hold only strings")
+            self.choice = list(self.choice)
+        if not isinstance(self.disable_any_whitespace, bool):
+            _fail("structured_outputs.disable_any_whitespace must be a bool")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    @property
+    def key(self) -> str:
+        """The constraint as canonical text: equal keys compile to the same grammar (the cache's key)."""
+        value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": True}[self.kind]
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def coerce(cls, value: Any) -> "StructuredOutputsParams | None":
+        """A StructuredOutputsParams from itself, a dict of its fields, or that dict as JSON text (a CLI flag)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                _fail(f"structured_outputs is not valid JSON: {e}")
+        if not isinstance(value, dict):
+            _fail(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+        fields = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            _fail(f"structured_outputs has no field {unknown[0]!r} (it takes {', '.join(sorted(fields))})")
+        return cls(**value)
 
 
 @dataclass
@@ -42,6 +126,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # constraints (vLLM's names): the output fits a grammar; token id -> a bias added to its logit
+    # (-100..100); only these token ids; never these words (as the tokenizer writes them, with or
+    # without a leading space)
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -91,10 +182,25 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 if not _is_int(t) or t < 0:
                     _fail(f"stop_token_ids must be non-negative ints, got {t!r}")
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                _fail("allowed_token_ids must be a non-empty list of token ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for t in self.allowed_token_ids:
+                if not _is_int(t) or t < 0:
+                    _fail(f"allowed_token_ids must be non-negative ints, got {t!r}")
+        self.bad_words = _normalize_bad_words(self.bad_words)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether some tokens may be masked out at a step (a grammar, allowed_token_ids, bad_words)."""
+        return bool(self.structured_outputs or self.allowed_token_ids or self.bad_words)
 
 
 def _fail(message: str) -> NoReturn:
@@ -123,3 +229,43 @@ def _normalize_stop(stop: object) -> list[str]:
         if len(s) > MAX_STOP_STRING_CHARS:
             _fail(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters; one has {len(s)}")
     return list(stop)
+
+
+def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
+    """{token id: bias}; ids may be given as strings of digits (OpenAI's JSON keys), or the whole
+    mapping as JSON text (a CLI flag)."""
+    if bias is None:
+        return None
+    if isinstance(bias, str):
+        try:
+            bias = json.loads(bias)
+        except ValueError as e:
+            _fail(f"logit_bias is not valid JSON: {e}")
+    if not isinstance(bias, dict):
+        _fail(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not _is_int(token) or token < 0:
+            _fail(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+        if not _is_number(value) or not math.isfinite(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            _fail(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+        out[token] = float(value)
+    return out or None
+
+
+def _normalize_bad_words(words: object) -> list[str] | None:
+    if words is None:
+        return None
+    if isinstance(words, str):
+        words = [words]
+    if not isinstance(words, (list, tuple)):
+        _fail(f"bad_words must be a list of strings, got {type(words).__name__}")
+    if len(words) > MAX_BAD_WORDS:
+        _fail(f"bad_words holds {len(words)} words; at most {MAX_BAD_WORDS} are allowed")
+    for w in words:
+        if not isinstance(w, str) or not w.strip():
+            _fail("bad_words must be non-empty strings")
+        if len(w) > MAX_BAD_WORD_CHARS:
+            _fail(f"bad_words may have at most {MAX_BAD_WORD_CHARS} characters each; one has {len(w)}")
+    return list(words) or None

@@ -1,7 +1,8 @@
 """The one sampler: plain decoding, n > 1 and speculative decoding draw here; beam search and every
 logprob report rank candidates with `top_logprobs`.
 
-Pipeline per row: penalties -> temperature -> top-k -> top-p -> min-p -> renormalize -> draw.
+Pipeline per row: constraints (a token mask: a grammar, bad words; allowed_token_ids; logit_bias)
+-> penalties -> temperature -> top-k -> top-p -> min-p -> renormalize -> draw.
 Rows carry their own `SamplingParams`; the filtering is vectorized over the batch, and the
 full-vocabulary sort is only paid for top-p rows whose nucleus is not among their most
 likely `TOP_P_CANDIDATES` tokens.
@@ -21,8 +22,18 @@ TOP_P_CANDIDATES = 1024
 
 
 @dataclass
+class TokenMask:
+    """The tokens allowed in some rows of a batch: row `rows[r]` may take token t when bit t % 32 of
+    word t // 32 of `bits[r]` is set. `bits` [len(rows), words] int32 covers the tokenizer's
+    vocabulary; tokens past it (a padded embedding's rows) are never allowed. Other rows are free."""
+
+    rows: list[int]
+    bits: Tensor
+
+
+@dataclass
 class SamplerOutput:
-    token_ids: Tensor  # [B] long
+    token_ids: Tensor  # [B] long; -1 where the constraints left no token allowed
     logprobs: Tensor  # [B] float32, raw log-softmax at the chosen token (0.0 where params.logprobs is None)
     top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; None when nobody asked
 
@@ -64,14 +75,73 @@ def apply_penalties(
     return out
 
 
+def apply_token_mask(logits: Tensor, mask: TokenMask) -> None:
+    """Set to -inf, in place, the logits [B, V] float32 of the tokens `mask` does not allow."""
+    if not mask.rows:
+        return
+    B, V = logits.shape
+    r = len(mask.rows)
+    rows = torch.tensor(mask.rows, device=logits.device)
+    # token t is bit t % 8 of byte t // 8 of the row (little-endian words); each byte looks up its 8
+    # addends (0 where allowed, -inf where not): a gather of 32-byte rows, much faster than unpacking
+    # bits into a boolean mask and filling by it
+    as_bytes = mask.bits.contiguous().view(torch.uint8).reshape(-1).to(logits.device, torch.long)  # [r * words * 4]
+    addend = _byte_addends(logits.device).index_select(0, as_bytes).view(r, -1)  # [r, words * 32]
+    width = min(V, addend.shape[1])
+    every_row = r == B and mask.rows == list(range(B))
+    sub = logits if every_row else logits[rows]  # [r, V]
+    sub[:, :width] += addend[:, :width]
+    sub[:, width:] = float("-inf")
+    if not every_row:
+        logits[rows] = sub
+
+
+_ADDENDS: dict[torch.device, Tensor] = {}
+
+
+def _byte_addends(device: torch.device) -> Tensor:
+    """[256, 8] float32: entry (b, k) is 0 if bit k of byte b is set, else -inf."""
+    table = _ADDENDS.get(device)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]
+        table = _ADDENDS[device] = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(device)
+    return table
+
+
+def apply_constraints(logits: Tensor, params: list[SamplingParams], mask: TokenMask | None = None) -> Tensor:
+    """Logits [B, V] float32 with the token mask, `allowed_token_ids` and `logit_bias` applied (vLLM's
+    order: before the penalties). Returns `logits` itself when no row has any of them, else a new tensor."""
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if mask is None and not allowed and not biased:
+        return logits
+    out = logits.float().clone()
+    B, V = out.shape
+    if mask is not None:
+        apply_token_mask(out, mask)
+    for i in allowed:
+        ids = torch.tensor([t for t in params[i].allowed_token_ids if t < V], dtype=torch.long, device=out.device)
+        keep = torch.zeros(V, dtype=torch.bool, device=out.device)
+        keep[ids] = True
+        out[i].masked_fill_(~keep, float("-inf"))
+    for i in biased:
+        bias = params[i].logit_bias
+        ids = torch.tensor([t for t in bias if t < V], dtype=torch.long, device=out.device)
+        out[i, ids] += torch.tensor([bias[t] for t in bias if t < V], dtype=torch.float32, device=out.device)
+    return out
+
+
 def processed_probs(
     logits: Tensor,
     params: list[SamplingParams],
     prompt_ids: list[Sequence[int]],
     output_ids: list[Sequence[int]],
+    mask: TokenMask | None = None,
 ) -> Tensor:
-    """The distribution [B, V] float32 that `sample` draws from; greedy rows are one-hot at the argmax."""
-    penalized = apply_penalties(logits, params, prompt_ids, output_ids)  # [B, V]
+    """The distribution [B, V] float32 that `sample` draws from; greedy rows are one-hot at the argmax.
+    A row whose constraints allow no token is all zeros."""
+    constrained = apply_constraints(logits, params, mask)
+    penalized = apply_penalties(constrained, params, prompt_ids, output_ids)  # [B, V]
     probs = torch.zeros_like(penalized)
     greedy, rand = _split(params)
     if greedy:
@@ -79,6 +149,8 @@ def processed_probs(
         probs[rows, penalized[rows].argmax(dim=-1)] = 1.0
     if rand:
         probs = _put_rows(probs, rand, _filtered_probs(_take_rows(penalized, rand), [params[i] for i in rand]))
+    if constrained is not logits:
+        probs[penalized.amax(dim=-1) == float("-inf")] = 0.0
     return probs
 
 
@@ -88,10 +160,13 @@ def sample(
     prompt_ids: list[Sequence[int]],
     output_ids: list[Sequence[int]],
     generators: list[torch.Generator | None],
+    mask: TokenMask | None = None,
 ) -> SamplerOutput:
-    """Draw one token per row. Greedy rows take the argmax and never touch any generator."""
+    """Draw one token per row. Greedy rows take the argmax and never touch any generator. A row whose
+    constraints (`mask`, allowed_token_ids) allow no token gets -1."""
     logits = logits.float()
-    penalized = apply_penalties(logits, params, prompt_ids, output_ids)  # [B, V]
+    constrained = apply_constraints(logits, params, mask)
+    penalized = apply_penalties(constrained, params, prompt_ids, output_ids)  # [B, V]
     token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy, rand = _split(params)
     if greedy:
@@ -99,6 +174,8 @@ def sample(
     if rand:
         probs = _filtered_probs(_take_rows(penalized, rand), [params[i] for i in rand])
         token_ids = _put_rows(token_ids, rand, sample_from_probs(probs, [generators[i] for i in rand]))
+    if constrained is not logits:
+        token_ids[penalized.amax(dim=-1) == float("-inf")] = -1
 
     # log-softmax over the vocabulary only for the rows that asked for logprobs (it costs as much as
     # the rest of sampling at batch 64); the others report 0.0
@@ -108,7 +185,7 @@ def sample(
     if wanted:
         rows = torch.tensor(wanted, device=logits.device)
         raw_logprobs = torch.log_softmax(logits[rows], dim=-1)  # [b, V]
-        chosen[rows] = raw_logprobs.gather(1, token_ids[rows, None]).squeeze(1)
+        chosen[rows] = raw_logprobs.gather(1, token_ids[rows, None].clamp(min=0)).squeeze(1)
         picked = _top_logprobs(raw_logprobs, [params[i] for i in wanted])
         if picked is not None:
             top = [[] for _ in params]
