@@ -150,8 +150,10 @@ class LLM:
             return None, list(prompt)
         raise InvalidRequestError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
-    def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
-        text = self.chat_template.render(messages, add_generation_prompt=True)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The conversation through the chat template (which receives `tools`, OpenAI's shape), tokenized."""
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         bos = self.tokenizer.bos_token
         add_special = not (bos and text.startswith(bos))
         return text, self.tokenizer.encode(text, add_special_tokens=add_special)
@@ -167,9 +169,9 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([(*self.encode_chat(c), None) for c in conversations], sampling_params, use_tqdm)
+        return self._run([(*self.encode_chat(c, tools), None) for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, encoded: list[tuple[str | None, list[int], str | None]], sampling_params,
              use_tqdm: bool) -> list[RequestOutput]:
@@ -234,13 +236,14 @@ class LLM:
             self.engine.abort(rid)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], beam_width: int = 4, max_tokens: int = 32,
-                    length_penalty: float = 1.0, ignore_eos: bool = False):
-        """Beam search; returns one `BeamSearchOutput` a prompt, its sequences best first."""
+                    length_penalty: float = 1.0, ignore_eos: bool = False, structured_outputs=None):
+        """Beam search; returns one `BeamSearchOutput` a prompt, its sequences best first. With
+        `structured_outputs` (a `StructuredOutputsParams`) every beam fits its grammar."""
         from .engine.beam_search import beam_search
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return beam_search(self.engine, [self.encode(p)[1] for p in prompts], beam_width, max_tokens,
-                           length_penalty, ignore_eos)
+                           length_penalty, ignore_eos, structured_outputs)
 
     def logits(self, prompt: PromptType, chunk_size: int | None = None) -> torch.Tensor:
         """Float32 logits [tokens, vocab] of every position of a prompt (row i predicts token i + 1)."""

@@ -1,5 +1,9 @@
 """Beam search on the paged cache: beams are sequences that fork from their parent's block table,
-so a prompt and every common prefix is stored once; a forked partial tail is copied on write."""
+so a prompt and every common prefix is stored once; a forked partial tail is copied on write.
+
+Under `structured_outputs` each beam holds its own copy of the grammar's matcher: candidates are
+ranked by log-probabilities renormalized over the tokens the grammar allows, and a beam whose
+grammar is complete is finished."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidRequestError
-from ..layers.sampler import top_logprobs
-from ..sampling_params import SamplingParams
+from ..layers.sampler import apply_token_mask, top_logprobs
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .detokenizer import IncrementalDetokenizer
 from .llm_engine import LLMEngine
 from .scheduler import ScheduledBatch
@@ -36,18 +40,22 @@ def beam_score(num_tokens: int, cumulative_logprob: float, length_penalty: float
 
 
 def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, max_tokens: int,
-                length_penalty: float = 1.0, ignore_eos: bool = False) -> list[BeamSearchOutput]:
+                length_penalty: float = 1.0, ignore_eos: bool = False,
+                structured_outputs: StructuredOutputsParams | dict | None = None) -> list[BeamSearchOutput]:
     if beam_width < 1 or max_tokens < 1:
         raise InvalidRequestError("beam_width and max_tokens must be at least 1")
     if engine.has_unfinished():
         raise InvalidRequestError("beam search runs on an idle engine")
     bm = engine.block_manager
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=structured_outputs)
+    grammar = engine.structured.compile(params.structured_outputs) if params.structured_outputs else None
     beams: list[list[tuple[Sequence, float]]] = []
     for ids in prompts:
         if not ids or len(ids) + max_tokens > engine.max_model_len:
             raise InvalidRequestError("each beam-search prompt must be non-empty and fit max_model_len with max_tokens")
-        beams.append([(_sequence(engine, ids, params), 0.0)])
+        seq = _sequence(engine, ids, params)
+        seq.grammar = grammar.matcher() if grammar is not None else None
+        beams.append([(seq, 0.0)])
     completed: list[list[tuple[Sequence | list[int], float, str]]] = [[] for _ in prompts]
     try:
         for step in range(max_tokens):
@@ -61,7 +69,13 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, ma
                     raise InvalidRequestError("the KV cache is too small for this beam search")
                 batch.add(seq, *room)
             seqs, logits = engine.forward(batch)
-            best = top_logprobs(torch.log_softmax(logits.float(), dim=-1), 2 * beam_width)  # per beam
+            logits = logits.float()
+            mask = engine.structured.step_mask(seqs)
+            if mask is not None:
+                logits = logits.clone()  # (out of the model's inference mode: a tensor of our own to mask)
+                apply_token_mask(logits, mask)
+            logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(nan=float("-inf"))  # [beams, V]
+            best = top_logprobs(logprobs, 2 * beam_width)  # per beam
             row_of = {id(s): i for i, s in enumerate(seqs)}
             new_beams: list[list[tuple[Sequence, float]]] = []
             for p, group in enumerate(beams):
@@ -73,10 +87,18 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, ma
                 for cum, parent, token in candidates:
                     if len(chosen) == beam_width:
                         break
+                    if cum == float("-inf"):  # a token the grammar forbids
+                        break
                     if token in engine.eos_token_ids and not ignore_eos:
                         completed[p].append((parent.token_ids[parent.num_prompt_tokens:] + [token], cum, "stop"))
                         continue
                     child = _sequence(engine, parent.prompt_token_ids, params, parent.token_ids + [token])
+                    if parent.grammar is not None:
+                        child.grammar = parent.grammar.fork()
+                        child.grammar.accept(token)
+                        if child.grammar.is_stopped:  # complete: nothing may follow
+                            completed[p].append((child.output_token_ids, cum, "stop"))
+                            continue
                     bm.fork(parent, child)
                     chosen.append((child, cum))
                 for seq, _ in group:
@@ -93,7 +115,8 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, ma
     for ids, done in zip(prompts, completed):
         seqs = []
         for tokens, cum, reason in done:
-            length = len(ids) + len(tokens) - (1 if reason == "stop" else 0)
+            eos = reason == "stop" and tokens[-1] in engine.eos_token_ids and not ignore_eos
+            length = len(ids) + len(tokens) - (1 if eos else 0)
             text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
             seqs.append(BeamSequence(tokens, cum, text, reason, beam_score(length, cum, length_penalty)))
         seqs.sort(key=lambda s: -s.score)

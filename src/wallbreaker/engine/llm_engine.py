@@ -20,6 +20,7 @@ from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
+from .structured_output import Grammar, GrammarError, GrammarMatcher, StructuredOutputs
 
 logger = logging.getLogger("wallbreaker.engine")
 MAX_CACHE_SALT_CHARS = 1024
@@ -30,7 +31,8 @@ class Speculation(Protocol):
     which sits above the engine): drafts before a step, the tokens that verification keeps after it."""
 
     def propose(self, running: list[Sequence]) -> None: ...
-    def verify_drafts(self, seq: Sequence, logits: torch.Tensor) -> list[int]: ...
+    def verify_drafts(self, seq: Sequence, logits: torch.Tensor,
+                      structured: StructuredOutputs | None = None) -> list[int]: ...
     def record_step(self, batch: ScheduledBatch, seconds: float) -> None: ...
     def release_ended(self, running: list[Sequence]) -> None: ...
     def stats(self) -> dict: ...
@@ -52,6 +54,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    grammar: Grammar | None = None  # the compiled `params.structured_outputs`
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     seqs: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     failure: StepFailure | None = None
@@ -78,6 +82,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.speculator = speculator
         self.vocab_limit = runner.vocab_limit or runner.model.config.vocab_size
+        self.structured = StructuredOutputs(tokenizer, eos_token_ids)
         self._unexplained_failures = 0  # failed steps in a row in which no sequence failed alone
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "prefill_time_s": 0.0, "decode_time_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0,
@@ -85,15 +90,23 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    grammar: Grammar | None = None) -> str:
         """Queue a request. Everything a step will read is checked here, so that one request's bad
-        input is its own error and never reaches a step that other requests share."""
+        input is its own error and never reaches a step that other requests share. A request with
+        `structured_outputs` takes its compiled `grammar` (`structured.compile`, which the server
+        runs off the engine thread), or has it compiled here."""
         self.check_request(prompt_token_ids, params, cache_salt)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, list(prompt_token_ids), params, cache_salt)
-        seq = self._new_sequence(request, 0, list(prompt_token_ids))
+        spec = params.structured_outputs
+        if spec is not None and (grammar is None or grammar.key != spec.key):
+            grammar = self.structured.compile(spec)
+        request = Request(request_id, prompt, list(prompt_token_ids), params, cache_salt,
+                          grammar if spec is not None else None, self.structured.bad_words_ids(params.bad_words))
+        seq = self._new_sequence(request, 0, list(prompt_token_ids),
+                                 request.grammar.matcher() if request.grammar is not None else None)
         seq.pending_fork = params.n - 1
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -116,6 +129,10 @@ class LLMEngine:
                 f"max_tokens {params.max_tokens} with a prompt of {n} tokens needs {n + params.max_tokens} "
                 f"tokens, more than the context holds ({self.max_model_len}, max_model_len)")
         self.check_token_ids(prompt_token_ids)
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= self.vocab_limit), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{name} names token id {bad}, outside the vocabulary (0..{self.vocab_limit - 1})")
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS):
             raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
 
@@ -125,7 +142,8 @@ class LLMEngine:
             if type(t) is not int or not 0 <= t < limit:
                 raise InvalidRequestError(f"token id {t!r} is outside the vocabulary (0..{limit - 1})")
 
-    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int],
+                      grammar: GrammarMatcher | None = None) -> Sequence:
         params = request.params
         generator = None
         if params.seed is not None:
@@ -136,6 +154,8 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request.request_id, index, token_ids, len(request.prompt_token_ids),
                        params, detok, generator, stop_token_ids=stops, cache_salt=request.cache_salt,
                        arrival_time=request.arrival_time)
+        seq.grammar = grammar
+        seq.bad_words_ids = request.bad_words_ids
         request.seqs.append(seq)
         return seq
 
@@ -177,7 +197,9 @@ class LLMEngine:
                 plain.append((seq, row))
             row += 1 + seq.num_draft
         deltas = self._sample_and_append(self._expand_forks(plain), logits) if plain else []
-        deltas += [self._verify_and_append(seq, rows) for seq, rows in verifying]
+        for seq, rows in verifying:
+            if not seq.is_finished:  # (a sibling's failure ends it)
+                deltas += self._verify_and_append(seq, rows)
         decode_only = all(n == 1 + s.num_draft for s, n in zip(batch.seqs, batch.num_new_tokens))
         if self.speculator is not None:
             if decode_only:
@@ -254,7 +276,8 @@ class LLMEngine:
             if seq.pending_fork:
                 request = self.requests[seq.request_id]
                 for k in range(seq.pending_fork):
-                    child = self._new_sequence(request, len(request.seqs), list(seq.token_ids))
+                    child = self._new_sequence(request, len(request.seqs), list(seq.token_ids),
+                                               seq.grammar.fork() if seq.grammar is not None else None)
                     self.block_manager.fork(seq, child)
                     self.scheduler.admit_running(child)
                     rows.append((child, row))
@@ -265,19 +288,33 @@ class LLMEngine:
         seqs = [s for s, _ in rows]
         index = torch.tensor([r for _, r in rows])
         out = sample(logits[index], [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
-                     [s.output_token_ids for s in seqs], [s.generator for s in seqs])
+                     [s.output_token_ids for s in seqs], [s.generator for s in seqs], self.structured.step_mask(seqs))
         tokens = out.token_ids.tolist()
         chosen_logprobs = out.logprobs.tolist()
         deltas = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            if seq.is_finished:  # its request failed a moment ago, on a sibling
+                continue
+            if token < 0:
+                deltas += self._fail_request(seq.request_id, self._no_token_allowed(seq))
+                continue
             top = out.top_logprobs[i] if out.top_logprobs is not None else []
             deltas.append(self._emit(seq, [token], [chosen_logprobs[i]], [top]))
         return deltas
 
-    def _verify_and_append(self, seq: Sequence, logits: torch.Tensor) -> StreamDelta:
+    @staticmethod
+    def _no_token_allowed(seq: Sequence) -> Exception:
+        if seq.grammar is not None and seq.grammar.is_error:
+            return GrammarError(f"the grammar failed at output token {seq.num_output_tokens}: {seq.grammar.error}")
+        return InvalidRequestError(f"the constraints allow no token at output token {seq.num_output_tokens} "
+                                   "(structured_outputs, allowed_token_ids and bad_words together)")
+
+    def _verify_and_append(self, seq: Sequence, logits: torch.Tensor) -> list[StreamDelta]:
         """Append what verification keeps of the drafts riding on `seq` (target logits [1 + K, V])."""
         k = seq.num_draft
-        tokens = self.speculator.verify_drafts(seq, logits)  # the accepted drafts, then the target's token
+        tokens = self.speculator.verify_drafts(seq, logits, self.structured)  # accepted drafts, the target's token
+        if tokens[-1] < 0:  # no token allowed where the target's token would go
+            return self._fail_request(seq.request_id, self._no_token_allowed(seq))
         accepted = len(tokens) - 1
         raw = torch.log_softmax(logits.float(), dim=-1)  # [K + 1, V]
         logprobs = [float(raw[j, t]) for j, t in enumerate(tokens)]
@@ -291,7 +328,7 @@ class LLMEngine:
         if not seq.is_finished:  # keep the K/V of what was accepted; release the rejected slots
             self.block_manager.commit(seq, computed - seq.num_computed_tokens)
             self.block_manager.trim(seq, computed)
-        return delta
+        return [delta]
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float],
               tops: list[list[tuple[int, float]]]) -> StreamDelta:
@@ -303,6 +340,8 @@ class LLMEngine:
         text, reason, kept = "", None, 0
         for token, lp, top in zip(tokens, logprobs, tops):
             seq.token_ids.append(token)
+            if seq.grammar is not None and token not in seq.stop_token_ids:
+                seq.grammar.accept(token)  # allowed by its mask; a matcher that failed fails the next mask
             kept += 1
             if want:
                 seq.logprobs.append(lp)
@@ -329,6 +368,8 @@ class LLMEngine:
         if seq.detokenizer.stopped:
             seq.stop_reason = seq.detokenizer.stop_string
             return text, "stop"
+        if seq.grammar is not None and seq.grammar.is_stopped and not seq.grammar.is_error:
+            return text, "stop"  # the grammar is complete: nothing but an end of sequence could follow
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return text, "length"
         if seq.num_tokens >= self.max_model_len:

@@ -12,11 +12,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from .structured_output import GrammarMatcher
 
 
 # A new sequence's guess at the fraction of drafts accepted, before it has verified any: high enough
@@ -62,6 +66,8 @@ class Sequence:
     spec_proposed: int = 0
     spec_accepted: int = 0
     acceptance: float = INITIAL_ACCEPTANCE  # moving average of the fraction of drafts accepted
+    grammar: "GrammarMatcher | None" = None  # where the output is in its grammar (structured output)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token ids that must not be completed
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,9 @@
 """A draft model as proposer: a second, smaller model with its own paged KV cache, kept in step with
-each target sequence (its tokens re-synced, its cache trimmed back past any rejected drafts)."""
+each target sequence (its tokens re-synced, its cache trimmed back past any rejected drafts).
+
+A constrained target's drafts are drawn under the same constraints (a copy of its grammar matcher
+advancing on the drafts): q is then the masked distribution they came from, which keeps rejection
+sampling exact, and drafts the grammar forbids are never proposed."""
 from __future__ import annotations
 
 import time
@@ -47,11 +51,12 @@ class DraftProposer:
         index = {id(d): i for i, (d, _) in enumerate(active)}
         slot_of = [i for i, k in enumerate(ks) if k > 0]
         steps, start = 0, time.perf_counter()
+        stuck: set[int] = set()  # drafts whose constraints allow no token: no more for them
         while True:
             batch = ScheduledBatch()
             for d, k in active:
                 i = slot_of[index[id(d)]]
-                if len(drafts[i]) >= k or (drafts[i] == [] and steps > 0):
+                if len(drafts[i]) >= k or (drafts[i] == [] and steps > 0) or i in stuck:
                     continue
                 room = self.block_manager.reserve(d, d.num_tokens - d.num_computed_tokens)
                 if room is None:  # the draft's pool is full: no drafts for this one
@@ -61,13 +66,19 @@ class DraftProposer:
                 break
             seqs, logits = self.engine.forward(batch)
             q = processed_probs(logits, [d.params for d in seqs], [d.prompt_token_ids for d in seqs],
-                                [d.output_token_ids for d in seqs])  # [B, V_draft]
+                                [d.output_token_ids for d in seqs], self.engine.structured.step_mask(seqs))  # [B, V_draft]
             tokens = sample_from_probs(q, [d.generator for d in seqs]).tolist()
+            alive = (q.sum(dim=-1) > 0).tolist()
             for row, (d, token) in enumerate(zip(seqs, tokens)):
                 i = slot_of[index[id(d)]]
+                if not alive[row]:
+                    stuck.add(i)
+                    continue
                 drafts[i].append(token)
                 probs[i].append(q[row])
                 d.token_ids.append(token)
+                if d.grammar is not None and not d.grammar.accept(token):
+                    stuck.add(i)
             steps += 1
         per_step = (time.perf_counter() - start) / steps if steps else 0.0
         return drafts, [torch.stack(p) if p else None for p in probs], per_step
@@ -81,7 +92,7 @@ class DraftProposer:
             d = Sequence(target.seq_id, target.request_id, target.index, list(target.token_ids),
                          target.num_prompt_tokens, target.params, None, generator)
             self.seqs[target.seq_id] = d
-            return d
+            return self._constrain(d, target)
         common = 0
         for a, b in zip(d.token_ids, target.token_ids):
             if a != b:
@@ -89,6 +100,13 @@ class DraftProposer:
             common += 1
         self.block_manager.trim(d, min(d.num_computed_tokens, common))
         d.token_ids = list(target.token_ids)
+        return self._constrain(d, target)
+
+    @staticmethod
+    def _constrain(d: Sequence, target: Sequence) -> Sequence:
+        """The draft starts from its target's place in the grammar (and shares its bad words)."""
+        d.grammar = target.grammar.fork() if target.grammar is not None else None
+        d.bad_words_ids = target.bad_words_ids
         return d
 
 
