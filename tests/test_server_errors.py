@@ -102,8 +102,11 @@ def test_bad_request_gives_status_not_stream(client, stream):
     assert_openai_error(_post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 0, "stream": stream}), 400)
 
 
-def test_unknown_fields_are_ignored(client):
-    response = _post(client, "/v1/completions", {**OK_COMPLETION, "frobnicate": {"x": 1}, "logit_bias": {}})
+def test_unknown_fields_are_refused_by_name_and_bookkeeping_ones_ignored(client):
+    error = assert_openai_error(_post(client, "/v1/completions", {**OK_COMPLETION, "frobnicate": {"x": 1}}), 400,
+                                "frobnicate")
+    assert "frobnicate" in error["message"]
+    response = _post(client, "/v1/completions", {**OK_COMPLETION, "user": "u", "metadata": {}, "logit_bias": {}})
     assert response.status_code == 200, response.text
 
 

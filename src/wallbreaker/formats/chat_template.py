@@ -456,6 +456,16 @@ class ChatTemplate:
         except (RecursionError, MemoryError, ValueError, TypeError) as e:  # a parser pushed past its limits
             raise InvalidRequestError(f"chat template does not compile: {_one_line(e)}") from e
 
+    @functools.cached_property
+    def supports_tools(self) -> bool:
+        """Whether the template reads `tools` (transformers passes them; a template that never reads
+        them would drop them)."""
+        import jinja2.meta
+        try:
+            return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(self.source))
+        except jinja2.TemplateError:
+            return False
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for `messages`. Extra keyword arguments (`tools`, `enable_thinking`...)
         are passed to the template, as with transformers."""

@@ -18,12 +18,13 @@ from .config import ServerConfig
 from .errors import APIError, install_error_handlers, parse_body
 from .guards import BodyGuard, HostCheck, allowed_hosts_for
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeCompletionRequest
 from .responses import ModelCard, ModelList
 from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
 from .static import add_chat_page
 from .state import ServerState
+from .tokenize import detokenize, tokenize
 
 
 def default_model_name(llm: LLM) -> str:
@@ -45,6 +46,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         state.engine.shutdown()
+        state.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="wallbreaker", summary="An OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = state
@@ -78,6 +80,14 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     @app.post("/v1/chat/completions", dependencies=v1, openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(await parse_body(request, ChatCompletionRequest), request, state)
+
+    @app.post("/tokenize", dependencies=v1, openapi_extra=_json_body(TokenizeCompletionRequest))
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(request, state)
+
+    @app.post("/detokenize", dependencies=v1, openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(request, state)
 
     add_chat_page(app)  # GET / and /static/*: the chat page, never behind the key (it holds no secret)
     return app

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from ..llm import LLM
 from ..engine.outputs import RequestOutput, StreamDelta
+from ..engine.structured_output import Grammar
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request, queue_full
 from .metrics import ServerMetrics
@@ -43,6 +44,7 @@ class EngineRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    grammar: Grammar | None = None  # `params.structured_outputs` compiled (off this thread)
 
 
 @dataclass
@@ -223,7 +225,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for r in requests:
-                self.engine.add_request(r.prompt_token_ids, r.params, prompt=r.prompt, request_id=r.request_id)
+                self.engine.add_request(r.prompt_token_ids, r.params, prompt=r.prompt, request_id=r.request_id,
+                                        grammar=r.grammar)
                 added.append(r.request_id)
                 self._routes[r.request_id] = handle
                 self.metrics.on_added(len(r.prompt_token_ids))

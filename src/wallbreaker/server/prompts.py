@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import json
+
 from ..errors import InvalidRequestError
 from .errors import bad_request
 from .protocol import ChatMessage
+from .tools import ToolPlan, template_messages
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -34,13 +37,17 @@ def completion_prompts(state: ServerState, prompt: str | list, max_tokens: int |
     return encoded
 
 
-def chat_prompt(state: ServerState, messages: list[ChatMessage], max_tokens: int | None) -> Encoded:
+def chat_prompt(state: ServerState, messages: list[ChatMessage], max_tokens: int | None,
+                tools: ToolPlan | None = None) -> Encoded:
+    """The conversation through the chat template, with the plan's tools (server/tools.py)."""
     if not messages:
         raise bad_request("messages is empty", param="messages")
     rendered = [m.for_template() for m in messages]
-    _check_chars(state, sum(len(m["content"]) for m in rendered), "messages")
+    _check_chars(state, sum(len(m["content"]) for m in rendered) + len(json.dumps(tools.tools) if tools else ""),
+                 "messages")
+    rendered, tool_list = template_messages(rendered, tools.tools if tools else None, state.llm.chat_template)
     try:
-        text, ids = state.llm.encode_chat(rendered)
+        text, ids = state.llm.encode_chat(rendered, tools=tool_list)
     except InvalidRequestError as e:
         raise bad_request(str(e), param="messages") from e
     return text, _checked(state, ids, max_tokens, "messages")

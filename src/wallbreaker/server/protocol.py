@@ -1,11 +1,16 @@
 """OpenAI request bodies, as pydantic models.
 
-Types are strict (`"max_tokens": "5"` is a 400, as with OpenAI) and unknown fields are ignored.
-Ranges that `SamplingParams` already checks are left to it; these models check only what it
-cannot see: the shape of prompts and messages, and the bounds of fields it does not have.
+Types are strict (`"max_tokens": "5"` is a 400, as with OpenAI). Ranges that `SamplingParams`
+already checks are left to it; these models check only what it cannot see: the shape of prompts
+and messages, and the bounds of fields it does not have.
+
+No field is dropped without a word: a field these models do not know is a 400 that names it
+(`unsupported_fields`), except the few that never change the output, which are accepted and
+ignored: `IGNORED_FIELDS`.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
@@ -33,12 +38,52 @@ Prompt = Annotated[str | list[str] | TokenIds | list[TokenIds],
 Stop = Annotated[str | list[str], _one_of("a string or a list of strings")]
 
 
+# Accepted and ignored: bookkeeping for the client or for OpenAI's own service, never the output.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """Unknown fields are kept (`model_extra`) so that `unsupported_fields` can name them."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Closed(BaseModel):
+    """A nested object whose every field we read: an unknown one is a validation error naming it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def unsupported_fields(body: BaseModel) -> list[str]:
+    """The fields of `body` we do not know and do not ignore."""
+    return sorted(k for k in (body.model_extra or {}) if k not in IGNORED_FIELDS)
 
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(_Closed):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Closed):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Closed):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = False
 
 
 class _SamplingFields(_Body):
@@ -62,6 +107,16 @@ class _SamplingFields(_Body):
     ignore_eos: bool | None = False
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool | None = False
+    # constraints: OpenAI's, then vLLM's (and its older guided_* names)
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -74,6 +129,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
 
 class TextPart(_Body):
@@ -84,20 +141,72 @@ class TextPart(_Body):
 Content = Annotated[str | list[TextPart], _one_of("a string or a list of {\"type\": \"text\", \"text\": ...} parts")]
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """A message; fields beyond role, content and name (tool calls, ...) pass through to the template."""
+    """A message; fields beyond these pass through to the template."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: Content | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer names the call it answers
 
     def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' convention): text content, and each
+        tool call's arguments as an object, not JSON text."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
         message.setdefault("content", "")
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                              "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
+                       _one_of('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -106,3 +215,27 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+
+
+# -- POST /tokenize, POST /detokenize (vLLM's) -------------------------------------------------
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Body):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool | None = True
+    tools: list[Tool] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: TokenIds

@@ -1,12 +1,18 @@
-"""OpenAI request fields -> `SamplingParams`, with OpenAI's defaults for fields left out or null."""
+"""OpenAI request fields -> `SamplingParams`, with OpenAI's defaults for fields left out or null.
+
+A field we do not know is a 400 that names it, and so is one we know but cannot honour (`suffix`,
+`echo`, `best_of` > n): never a silent drop. The constraints (`response_format`, vLLM's
+`structured_outputs` and its older `guided_*` names, and a forced `tool_choice`) become one
+`StructuredOutputsParams`; two at once are a 400.
+"""
 from __future__ import annotations
 
 import dataclasses
 
 from ..errors import InvalidRequestError
-from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .errors import APIError, bad_request
-from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields, unsupported_fields
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -15,7 +21,51 @@ def _or(value, default):
     return default if value is None else value
 
 
-def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def check_fields(body) -> None:
+    """400 for the first field of `body` we do not know (the ignored ones pass)."""
+    unknown = unsupported_fields(body)
+    if unknown:
+        raise bad_request(f"the field '{unknown[0]}' is not supported by this server; leave it out "
+                          f"(unknown fields are refused, not ignored)", param=unknown[0])
+
+
+def structured_outputs(body: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's own constraint, and the field it came from."""
+    found: list[tuple[StructuredOutputsParams, str]] = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append((_spec("response_format", json_object=True), "response_format"))
+        else:
+            schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+            if schema is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema",
+                                  param="response_format")
+            found.append((_spec("response_format", json=schema), "response_format"))
+    if body.structured_outputs is not None:
+        so = body.structured_outputs
+        found.append((_spec("structured_outputs", json=so.json_, regex=so.regex, choice=so.choice,
+                            grammar=so.grammar, json_object=so.json_object,
+                            disable_any_whitespace=bool(so.disable_any_whitespace)), "structured_outputs"))
+    for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar")):
+        value = getattr(body, name)
+        if value is not None:
+            found.append((_spec(name, **{field: value}), name))
+    if len(found) > 1:
+        raise bad_request(f"give one constraint, not {found[0][1]} and {found[1][1]} together", param=found[1][1])
+    return found[0] if found else (None, None)
+
+
+def _spec(param: str, **fields) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except InvalidRequestError as e:
+        raise bad_request(str(e).replace("structured_outputs", param, 1), param=param) from e
+
+
+def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                     spec: StructuredOutputsParams | None) -> SamplingParams:
     try:
         return SamplingParams(
             n=_or(body.n, 1), temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0),
@@ -23,21 +73,34 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: in
             stop_token_ids=body.stop_token_ids, seed=body.seed, logprobs=logprobs,
             repetition_penalty=_or(body.repetition_penalty, 1.0),
             presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
-            ignore_eos=bool(body.ignore_eos), include_stop_str_in_output=bool(body.include_stop_str_in_output))
+            ignore_eos=bool(body.ignore_eos), include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            structured_outputs=spec, logit_bias=body.logit_bias or None, allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words)
     except InvalidRequestError as e:
         first_word = str(e).split(" ", 1)[0]
         raise bad_request(str(e), param=first_word if first_word in _FIELDS else None) from e
 
 
-def completion_params(body: CompletionRequest) -> SamplingParams:
+def completion_params(body: CompletionRequest) -> tuple[SamplingParams, str | None]:
+    """The sampling params, and the field their constraint came from (None: no constraint)."""
+    check_fields(body)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
-    return _sampling_params(body, _or(body.max_tokens, 16), body.logprobs)
+    if body.suffix:
+        raise bad_request("suffix is not supported (no fill-in-the-middle)", param="suffix")
+    if body.best_of is not None and body.best_of > _or(body.n, 1):
+        raise bad_request(f"best_of {body.best_of} > n is not supported: every sequence generated is returned",
+                          param="best_of")
+    spec, source = structured_outputs(body)
+    return _sampling_params(body, _or(body.max_tokens, 16), body.logprobs, spec), source
 
 
-def chat_params(body: ChatCompletionRequest) -> SamplingParams:
+def chat_params(body: ChatCompletionRequest, tool_spec: StructuredOutputsParams | None = None
+                ) -> tuple[SamplingParams, str | None]:
     """Chat's `max_completion_tokens` wins over the older `max_tokens`; absent, the answer may run to
-    the end of the context. `top_logprobs` counts alternatives and needs `logprobs: true`."""
+    the end of the context. `top_logprobs` counts alternatives and needs `logprobs: true`.
+    `tool_spec` is the constraint of a forced tool choice (server/tools.py)."""
+    check_fields(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = None
     if body.logprobs:
@@ -46,8 +109,13 @@ def chat_params(body: ChatCompletionRequest) -> SamplingParams:
             raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="top_logprobs")
     elif body.top_logprobs is not None:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    spec, source = structured_outputs(body)
+    if tool_spec is not None:
+        if spec is not None:
+            raise bad_request(f"{source} cannot be combined with a tool_choice that forces a call", param=source)
+        spec, source = tool_spec, "tools"
     try:
-        return _sampling_params(body, max_tokens, logprobs)
+        return _sampling_params(body, max_tokens, logprobs, spec), source
     except APIError as e:
         if e.info.param == "max_tokens" and body.max_completion_tokens is not None:
             e.info.param = "max_completion_tokens"

@@ -95,9 +95,29 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer
+    def _present_fields(self) -> dict:
+        """`tool_calls` only when there are some, as OpenAI sends it."""
+        out: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatChoice(_Choice):
@@ -112,14 +132,46 @@ class ChatCompletionResponse(_Answer[ChatChoice]):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer
+    def _present_fields(self) -> dict:
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: its first carries id, type and name; later ones add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer
+    def _present_fields(self) -> dict:
+        out: dict = {"index": self.index}
+        if self.id is not None:
+            out["id"] = self.id
+        if self.type is not None:
+            out["type"] = self.type
+        out["function"] = self.function.model_dump()
+        return out
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
     def _present_fields(self) -> dict:
         """OpenAI's deltas leave absent fields out rather than sending nulls (the last one is `{}`)."""
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatStreamChoice(_Choice):
@@ -131,3 +183,15 @@ class ChatCompletionChunk(_Answer[ChatStreamChoice]):
     """One event of a streamed chat completion."""
 
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+# -- /tokenize, /detokenize (vLLM's shapes) ----------------------------------------------------
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,4 +1,8 @@
-"""POST /v1/chat/completions: the messages through the model's chat template, one engine request."""
+"""POST /v1/chat/completions: the messages through the model's chat template, one engine request.
+
+With tools (server/tools.py) the answer's calls come back as `tool_calls`, with finish_reason
+"tool_calls"; streamed, as deltas the official client assembles: a call's first delta carries its
+index, id, type and name, the next ones pieces of its arguments."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -12,28 +16,35 @@ from .async_engine import EngineRequest, RequestHandle
 from .logprobs import chat_logprobs
 from .prompts import chat_prompt
 from .protocol import ChatCompletionRequest
-from .responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatStreamChoice,
-                        DeltaMessage, Usage)
 from .request_params import chat_params
+from .responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatStreamChoice,
+                        DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCallOut, ToolCallOut, Usage)
 from .state import ServerState
 from .streaming import collect, deltas, event_stream, sse
+from .tools import Call, ToolPlan, ToolStream, plan_tools
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     access, chat_id, deadline = state.admit(request, body.model, "chatcmpl")
-    params = chat_params(body)
-    text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens)
-    engine_request = EngineRequest(chat_id, text, ids, params)
+    plan = plan_tools(body, state.llm.chat_template)
+    params, source = chat_params(body, plan.spec if plan is not None and plan.forced else None)
+    text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens, plan)
+    grammar = await state.compile_grammar(params.structured_outputs, source)
+    engine_request = EngineRequest(chat_id, text, ids, params, grammar)
     access.prompt_tokens = len(ids)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))
+    parallel = body.parallel_tool_calls is not False
     if body.stream:
-        chunks = _stream(state, handle, engine_request, body.include_usage, access, deadline)
+        chunks = _stream(state, handle, engine_request, body.include_usage, access, deadline, plan, parallel)
         return event_stream(handle, chunks, state.request_timeout)
     output = (await collect(handle, request, deadline, state.request_timeout))[chat_id]
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                          logprobs=chat_logprobs(state.strings, c.token_ids, c.logprobs or [], c.top_logprobs or [])
-                          if params.logprobs is not None else None)
-               for c in output.outputs]
+    choices = []
+    for c in output.outputs:
+        message, finish_reason = _message(plan, c.text, c.finish_reason, parallel)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = chat_logprobs(state.strings, c.token_ids, c.logprobs or [], c.top_logprobs or [])
+        choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, logprobs=logprobs))
     usage = _usage(output)
     access.completion_tokens = usage.completion_tokens
     access.ttft_s = output.metrics.get("ttft_s")
@@ -41,8 +52,81 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     return Response(body_out.model_dump_json(), media_type="application/json")
 
 
+def _message(plan: ToolPlan | None, text: str, finish_reason: str | None,
+             parallel: bool) -> tuple[AssistantMessage, str | None]:
+    if plan is None:
+        return AssistantMessage(content=text), finish_reason
+    content, calls = plan.calls_from_output(text)
+    if not parallel:
+        calls = calls[:1]
+    if not calls:
+        return AssistantMessage(content=text), finish_reason
+    out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+    return AssistantMessage(content=content, tool_calls=out), _calls_finish(finish_reason)
+
+
+def _calls_finish(finish_reason: str | None) -> str | None:
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _call_deltas(calls: list[Call], first_index: int = 0) -> list[DeltaToolCall]:
+    return [DeltaToolCall(index=first_index + i, id=c.id, type="function",
+                          function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+            for i, c in enumerate(calls)]
+
+
+class _ChoiceStream:
+    """What one streamed choice sends, by the request's tool plan: content as it comes (no tools),
+    a named call's arguments as they come, a required call list or auto calls once complete."""
+
+    def __init__(self, plan: ToolPlan | None, parallel: bool):
+        self.plan = plan
+        self.parallel = parallel
+        self.auto = ToolStream(plan.parser) if plan is not None and plan.choice == "auto" else None
+        self.named: Call | None = Call(plan.name, "") if plan is not None and plan.choice == "named" else None
+        self.started = False
+        self.held = ""  # a required list of calls, until it is complete
+
+    def piece(self, text: str) -> DeltaMessage | None:
+        if self.plan is None:
+            return DeltaMessage(content=text) if text else None
+        if self.named is not None:
+            if not text:
+                return None
+            first = not self.started
+            self.started = True
+            return DeltaMessage(tool_calls=[DeltaToolCall(
+                index=0, id=self.named.id if first else None, type="function" if first else None,
+                function=DeltaFunctionCall(name=self.named.name if first else None, arguments=text))])
+        if self.auto is not None:
+            content = self.auto.feed(text)
+            return DeltaMessage(content=content) if content else None
+        self.held += text
+        return None
+
+    def finish(self, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
+        """The last delta before the finish, and the finish reason to send."""
+        if self.plan is None:
+            return None, finish_reason
+        if self.named is not None:
+            if not self.started:  # nothing generated: still a call, with empty arguments
+                return DeltaMessage(tool_calls=_call_deltas([self.named])), _calls_finish(finish_reason)
+            return None, _calls_finish(finish_reason)
+        if self.auto is not None:
+            content, calls = self.auto.finish()
+        else:
+            content, calls = self.plan.calls_from_output(self.held)
+            content = self.held if not calls else None
+        if not self.parallel:
+            calls = calls[:1]
+        if calls:
+            return DeltaMessage(tool_calls=_call_deltas(calls)), _calls_finish(finish_reason)
+        return (DeltaMessage(content=content) if content else None), finish_reason
+
+
 async def _stream(state: ServerState, handle: RequestHandle, engine_request: EngineRequest, include_usage: bool,
-                  access: AccessRecord, deadline: float | None) -> AsyncIterator[str]:
+                  access: AccessRecord, deadline: float | None, plan: ToolPlan | None,
+                  parallel: bool) -> AsyncIterator[str]:
     chat_id, params = engine_request.request_id, engine_request.params
 
     def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
@@ -50,16 +134,21 @@ async def _stream(state: ServerState, handle: RequestHandle, engine_request: Eng
 
     yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(params.n)])
+    streams = {i: _ChoiceStream(plan, parallel) for i in range(params.n)}
     finished: list[RequestOutput] = []
     async for event in deltas(handle, access, deadline, finished):
         logprobs = None
         if params.logprobs is not None and event.token_ids:
             logprobs = chat_logprobs(state.strings, event.token_ids, event.logprobs, event.top_logprobs)
-        if not (event.text or event.finish_reason or logprobs):
-            continue  # text held back (a possible stop string)
-        delta = DeltaMessage(content=event.text) if event.text or logprobs else DeltaMessage()
-        yield chunk([ChatStreamChoice(index=event.index, delta=delta, logprobs=logprobs,
-                                      finish_reason=event.finish_reason)])
+        stream = streams[event.index]
+        delta = stream.piece(event.text)
+        if delta is not None or logprobs is not None:
+            yield chunk([ChatStreamChoice(index=event.index, delta=delta or DeltaMessage(), logprobs=logprobs)])
+        if event.finish_reason is not None:
+            last, reason = stream.finish(event.finish_reason)
+            if last is not None:
+                yield chunk([ChatStreamChoice(index=event.index, delta=last)])
+            yield chunk([ChatStreamChoice(index=event.index, delta=DeltaMessage(), finish_reason=reason)])
     if include_usage and finished:
         yield chunk([], _usage(finished[0]))
 

@@ -22,9 +22,11 @@ from .streaming import collect, deltas, event_stream, sse
 
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
     access, completion_id, deadline = state.admit(request, body.model, "cmpl")
-    params = completion_params(body)
+    params, source = completion_params(body)
     prompts = await run_in_threadpool(completion_prompts, state, body.prompt, params.max_tokens)
-    requests = [EngineRequest(f"{completion_id}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
+    grammar = await state.compile_grammar(params.structured_outputs, source)
+    requests = [EngineRequest(f"{completion_id}-{i}", text, ids, params, grammar)
+                for i, (text, ids) in enumerate(prompts)]
     access.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     handle = state.engine.submit(requests, stream=bool(body.stream))
     if body.stream:

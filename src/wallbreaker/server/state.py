@@ -3,19 +3,23 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from ..engine.structured_output import Grammar, GrammarError
 from ..llm import LLM
+from ..sampling_params import StructuredOutputsParams
 from .access_log import AccessRecord
 from .async_engine import AsyncEngine
 from .config import ServerConfig
-from .errors import APIError
+from .errors import APIError, bad_request
 from .logprobs import TokenStrings
 from .metrics import ServerMetrics
 
 DEFAULT_ALIAS = "default"
+GRAMMAR_THREADS = 2  # compilations at once, off the engine thread
 
 
 @dataclass
@@ -27,9 +31,11 @@ class ServerState:
     config: ServerConfig = field(default_factory=ServerConfig)
     strings: TokenStrings = field(init=False)
     max_prompt_chars: int = field(init=False)
+    grammar_pool: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.strings = TokenStrings(self.llm.tokenizer)
+        self.grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="wallbreaker-grammar")
         # No token stands for more characters than the longest one's bytes, so a longer text cannot
         # fit the context: refused before the tokenizer spends time on it. (Twice that: a normalizer
         # may compose characters, e.g. NFC's e + U+0301 into é.)
@@ -59,3 +65,23 @@ class ServerState:
         if self.request_timeout is None:
             return None
         return asyncio.get_running_loop().time() + self.request_timeout
+
+    async def compile_grammar(self, spec: StructuredOutputsParams | None, param: str | None) -> Grammar | None:
+        """The grammar of a request's constraint, compiled in a worker thread (never the engine's),
+        within `grammar_compile_timeout`: a 400 naming `param` if it is invalid or takes longer.
+        A compilation past the limit still finishes in its thread (llguidance bounds its work)."""
+        if spec is None:
+            return None
+        structured = self.llm.engine.structured
+        grammar = structured.cached(spec)
+        if grammar is not None:
+            return grammar
+        limit = self.config.grammar_compile_timeout
+        future = asyncio.get_running_loop().run_in_executor(self.grammar_pool, structured.compile, spec)
+        try:
+            return await asyncio.wait_for(future, limit)
+        except TimeoutError:
+            raise bad_request(f"{param}: the constraint took longer than {limit:g} s to compile (this server's "
+                              "limit); simplify it", param=param) from None
+        except GrammarError as e:
+            raise bad_request(f"{param}: {e}", param=param) from None
