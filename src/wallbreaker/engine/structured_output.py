@@ -108,9 +108,10 @@ class GrammarMatcher:
 class StructuredOutputs:
     """One engine's grammar compiler and cache. Thread-safe: the server compiles off the engine thread."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_token_ids: frozenset[int], cache_size: int = GRAMMAR_CACHE_SIZE):
-        self.tokenizer = tokenizer
-        self.vocab_size = tokenizer.vocab_size
+    def __init__(self, tokenizer: Tokenizer | None, stop_token_ids: frozenset[int],
+                 cache_size: int = GRAMMAR_CACHE_SIZE):
+        self.tokenizer = tokenizer  # None: an engine driven by token ids alone, which takes no constraints
+        self.vocab_size = tokenizer.vocab_size if tokenizer is not None else 0
         self.words = (self.vocab_size + 31) // 32  # int32 words of one mask row
         self.stop_token_ids = sorted(t for t in stop_token_ids if t < self.vocab_size)
         self._eos = frozenset(self.stop_token_ids)  # what grammars allow once complete
@@ -137,6 +138,8 @@ class StructuredOutputs:
 
     def compile(self, spec: StructuredOutputsParams) -> Grammar:
         """The grammar of `spec`, from the cache or compiled now. Raises `GrammarError`."""
+        if self.tokenizer is None:
+            raise GrammarError("structured output needs the model's tokenizer")
         key = spec.key
         with self._lock:
             grammar = self._cache.get(key)
@@ -221,6 +224,8 @@ class StructuredOutputs:
         """vLLM's tokenization of bad words: each as written at the start of a text and, where that
         makes other tokens, after a space (a word in the middle of a text)."""
         out: list[list[int]] = []
+        if words and self.tokenizer is None:
+            raise GrammarError("bad_words needs the model's tokenizer")
         for word in words or ():
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             if plain:

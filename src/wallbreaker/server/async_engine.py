@@ -45,6 +45,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     grammar: Grammar | None = None  # `params.structured_outputs` compiled (off this thread)
+    cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
 
 
 @dataclass
@@ -226,7 +227,7 @@ class AsyncEngine:
         try:
             for r in requests:
                 self.engine.add_request(r.prompt_token_ids, r.params, prompt=r.prompt, request_id=r.request_id,
-                                        grammar=r.grammar)
+                                        grammar=r.grammar, cache_salt=r.cache_salt)
                 added.append(r.request_id)
                 self._routes[r.request_id] = handle
                 self.metrics.on_added(len(r.prompt_token_ids))

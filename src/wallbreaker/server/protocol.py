@@ -107,6 +107,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool | None = False
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool | None = False
+    cache_salt: str | None = None
     # constraints: OpenAI's, then vLLM's (and its older guided_* names)
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None

@@ -30,7 +30,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params, source = chat_params(body, plan.spec if plan is not None and plan.forced else None)
     text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens, plan)
     grammar = await state.compile_grammar(params.structured_outputs, source)
-    engine_request = EngineRequest(chat_id, text, ids, params, grammar)
+    engine_request = EngineRequest(chat_id, text, ids, params, grammar, body.cache_salt)
     access.prompt_tokens = len(ids)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))
     parallel = body.parallel_tool_calls is not False

@@ -25,7 +25,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     params, source = completion_params(body)
     prompts = await run_in_threadpool(completion_prompts, state, body.prompt, params.max_tokens)
     grammar = await state.compile_grammar(params.structured_outputs, source)
-    requests = [EngineRequest(f"{completion_id}-{i}", text, ids, params, grammar)
+    requests = [EngineRequest(f"{completion_id}-{i}", text, ids, params, grammar, body.cache_salt)
                 for i, (text, ids) in enumerate(prompts)]
     access.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     handle = state.engine.submit(requests, stream=bool(body.stream))
