@@ -1,6 +1,9 @@
-"""Our torch dequantization must match gguf.quants.dequantize bit for bit."""
+"""Our torch dequantization must match gguf.quants.dequantize bit for bit (and llama.cpp's own C,
+where a build is at hand: $LLAMA_CPP_DIR)."""
 from __future__ import annotations
 
+import ctypes
+import os
 from pathlib import Path
 
 import gguf
@@ -19,8 +22,14 @@ T = gguf.GGMLQuantizationType
 F16_FIELDS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ1_S: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.TQ1_0: (52,), T.TQ2_0: (64,),
 }
+# Types whose scales are not a float16 field: each gets finite scales its own way (random_bytes).
+OTHER_SCALES = (T.IQ1_M, T.MXFP4, T.NVFP4, T.Q8_K)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+NEW_TYPES = (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS,
+             T.TQ1_0, T.TQ2_0, T.MXFP4, T.NVFP4, T.Q8_K)
 
 
 
@@ -42,13 +51,27 @@ def random_bytes(qtype: gguf.GGMLQuantizationType, n_rows: int, row: int, seed: 
         return top.view(np.uint8).reshape(n_rows, -1)
     block, size = block_info(qtype)
     blocks = rng.integers(0, 256, (n // block, size), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
+    for off in F16_FIELDS.get(qtype, ()):
         halves = finite_floats(rng, len(blocks)).astype(np.float16)
         blocks[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
+    if qtype == T.IQ1_M:  # its float16 scale is spread over the top nibbles of four uint16
+        d = finite_floats(rng, len(blocks)).astype(np.float16).view(np.uint16)
+        scales = blocks[:, 48:56].copy().view(np.uint16) & 0x0FFF
+        for k in range(4):
+            scales[:, k] |= ((d >> (4 * k)) & 0xF) << 12
+        blocks[:, 48:56] = scales.view(np.uint8)
+    elif qtype == T.MXFP4:  # an e8m0 exponent: 2^(e - 127), kept where products stay finite
+        blocks[:, 0] = rng.integers(100, 150, len(blocks))
+    elif qtype == T.Q8_K:  # a float32 scale
+        blocks[:, :4] = finite_floats(rng, len(blocks)).view(np.uint8).reshape(-1, 4)
     return blocks.reshape(n_rows, -1)
 
 
 def reference(data: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    if qtype == T.Q8_K:  # not in gguf.quants: llama.cpp's dequantize_row_q8_K, y = d * q
+        blocks = np.ascontiguousarray(data).reshape(-1, 292)
+        d = blocks[:, :4].copy().view(np.float32)
+        return torch.from_numpy(d * blocks[:, 4:260].view(np.int8).astype(np.float32)).reshape(shape)
     return torch.from_numpy(np.array(gguf.quants.dequantize(data, qtype))).reshape(shape)
 
 
@@ -60,7 +83,10 @@ def assert_bit_equal(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def test_supported_types() -> None:
-    assert SUPPORTED_TYPES == frozenset(F16_FIELDS) | frozenset(FLOAT_TYPES)
+    """Every type the gguf package can dequantize (all but the integer and F64 ones), and Q8_K."""
+    readable = {q for q in T if q in gguf.quants._type_traits} | {T.F32, T.F16}
+    assert SUPPORTED_TYPES == frozenset(F16_FIELDS) | frozenset(FLOAT_TYPES) | frozenset(OTHER_SCALES)
+    assert SUPPORTED_TYPES == readable | {T.Q8_K}
 
 
 @pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES), ids=lambda t: t.name)
@@ -113,10 +139,33 @@ def test_wrong_size() -> None:
         dequantize(data, T.Q8_0, (4, 16))
 
 
+def _ggml() -> ctypes.CDLL:
+    """llama.cpp's libggml-base from $LLAMA_CPP_DIR (its build's bin folder), or skip."""
+    folder = os.environ.get("LLAMA_CPP_DIR")
+    path = Path(folder) / "libggml-base.so" if folder else None
+    if path is None or not path.is_file():
+        pytest.skip("set LLAMA_CPP_DIR to a llama.cpp build's bin folder (with libggml-base.so)")
+    return ctypes.CDLL(str(path))
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda t: t.name)
+def test_new_types_against_llama_cpp(qtype: gguf.GGMLQuantizationType) -> None:
+    """The same blocks through llama.cpp's own dequantize_row_<type> (for Q8_K, which gguf.quants
+    lacks, the only reference but the definition)."""
+    lib = _ggml()
+    row = getattr(lib, f"dequantize_row_{qtype.name.lower() if qtype != T.Q8_K else 'q8_K'}")
+    row.argtypes, row.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    block, _ = block_info(qtype)
+    data = np.ascontiguousarray(random_bytes(qtype, 5, block * 2, seed=3))
+    expected = np.empty(data.shape[0] * block * 2, dtype=np.float32)
+    row(data.ctypes.data, expected.ctypes.data, expected.size)
+    assert_bit_equal(dequantize(data, qtype, (5, block * 2)), torch.from_numpy(expected).reshape(5, -1))
+
+
 def test_unsupported_type() -> None:
-    block, size = block_info(T.IQ2_XXS)
-    with pytest.raises(UnsupportedModelError, match="IQ2_XXS"):
-        dequantize(np.zeros(size, np.uint8), T.IQ2_XXS, (block,))
+    block, size = block_info(T.Q8_1)
+    with pytest.raises(UnsupportedModelError, match="Q8_1"):
+        dequantize(np.zeros(size, np.uint8), T.Q8_1, (block,))
 
 
 def test_real_file(packaged_model) -> None:

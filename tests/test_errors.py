@@ -82,9 +82,9 @@ def test_unknown_architecture(tiny_llama, tmp_path):
 
 
 def test_unsupported_tensor_type(tiny_llama, tmp_path):
-    path = tmp_path / "iq4nl.gguf"
-    _rewrite_gguf(tiny_llama.gguf_path, path, tensor_type=gguf.GGMLQuantizationType.IQ4_NL)
-    with pytest.raises(UnsupportedModelError, match="IQ4_NL"):
+    path = tmp_path / "q8_1.gguf"  # Q8_1: llama.cpp's activation blocks, never a stored weight
+    _rewrite_gguf(tiny_llama.gguf_path, path, tensor_type=gguf.GGMLQuantizationType.Q8_1)
+    with pytest.raises(UnsupportedModelError, match="Q8_1"):
         LLM(str(path))
 
 

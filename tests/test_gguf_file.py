@@ -241,9 +241,9 @@ def test_dimension_count(tmp_path: Path) -> None:
 
 
 def test_unsupported_type(tmp_path: Path) -> None:
-    iq2 = np.zeros((2, 66), np.uint8)  # two rows of one 256-element IQ2_XXS block
-    path = write_gguf(tmp_path / "iq2.gguf", {"a.weight": (W_F32, None), "q.weight": (iq2, QType.IQ2_XXS)})
-    expect(UnsupportedModelError, path, "'q.weight'", "IQ2_XXS")
+    q8_1 = np.zeros((2, 40), np.uint8)  # two rows of one 32-element Q8_1 block (llama.cpp's activations only)
+    path = write_gguf(tmp_path / "q8_1.gguf", {"a.weight": (W_F32, None), "q.weight": (q8_1, QType.Q8_1)})
+    expect(UnsupportedModelError, path, "'q.weight'", "Q8_1")
 
 
 class _Hang(BaseException):

@@ -170,10 +170,192 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     _scaled(out.view(n, 16, 16), q.view(n, 16, 16), d)
 
 
+# --- the i-quants, ternary and micro-scaled types: each mirrors gguf.quants' numpy kernel --------
+
+_GRIDS: dict[str, torch.Tensor] = {}
+_KSIGNS: list[torch.Tensor] = []
+_IQ4_VALUES = torch.tensor(gguf.quants.IQ4_NL.kvalues, dtype=torch.int8)
+_FP4_VALUES = torch.tensor(gguf.quants.MXFP4.kvalues, dtype=torch.int8)  # e2m1, doubled
+_IQ1_DELTA = 0.125
+
+
+def _grid(name: str) -> torch.Tensor:
+    """An i-quant's codebook from the gguf package, [entries, values] float32."""
+    if name not in _GRIDS:
+        cls = getattr(gguf.quants, name)
+        cls.init_grid()
+        _GRIDS[name] = torch.from_numpy(np.array(cls.grid)).reshape(cls.grid_shape)
+    return _GRIDS[name]
+
+
+def _ksigns() -> torch.Tensor:
+    """The 128 sign patterns of 8 values (even parity), indexed by 7 bits: [128] uint8."""
+    if not _KSIGNS:
+        _KSIGNS.append(torch.frombuffer(bytearray(gguf.quants.IQ2_XXS.ksigns), dtype=torch.uint8))
+    return _KSIGNS[0]
+
+
+def _le(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian unsigned integers of the last dim's bytes: [..., k] uint8 -> [...] int64."""
+    out = b[..., 0].long()
+    for i in range(1, b.shape[-1]):
+        out |= b[..., i].long() << (8 * i)
+    return out
+
+
+def _sign_bits(x: torch.Tensor) -> torch.Tensor:
+    """Each byte's 8 bits as +1 (clear) / -1 (set), float32: [...] -> [..., 8]."""
+    bits = (x.unsqueeze(-1).long() >> torch.arange(8)) & 1
+    return torch.where(bits == 0, 1.0, -1.0)
+
+
+def _half_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int64 holding float16 bit patterns (0..65535) -> float32."""
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.float16).float()
+
+
+def _iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    qs = blocks[:, 2:].reshape(n, 8, 2, 4)  # per 32 weights: 4 grid indices, then signs and scale
+    aux = _le(qs[:, :, 1])  # [n, 8]
+    db = (_half_at(blocks, 0) * (0.5 + (aux >> 28).float()) * 0.25).view(n, 8, 1, 1)
+    signs = _ksigns()[(aux[..., None] >> torch.tensor([0, 7, 14, 21])) & 0x7F]  # [n, 8, 4]
+    grid = _grid("IQ2_XXS")[qs[:, :, 0].long()]  # [n, 8, 4, 8]
+    out.view(n, 8, 4, 8).copy_(db * grid * _sign_bits(signs))
+
+
+def _iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    qs = _le(blocks[:, 2:66].reshape(n, 32, 2))  # [n, 32] uint16: 9-bit index, 7-bit signs
+    scales = _bits(blocks[:, 66:74], (0, 4), 0x0F).transpose(-1, -2).reshape(n, 16)
+    db = (_half_at(blocks, 0) * (0.5 + scales.float()) * 0.25).view(n, 16, 1, 1)
+    signs = _sign_bits(_ksigns()[qs >> 9]).view(n, 16, 2, 8)
+    grid = _grid("IQ2_XS")[qs & 511].view(n, 16, 2, 8)
+    out.view(n, 16, 2, 8).copy_(db * grid * signs)
+
+
+def _iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    qs, signs, qh, scales = blocks[:, 2:34], blocks[:, 34:66], blocks[:, 66:74], blocks[:, 74:82]
+    scales = _bits(scales, (0, 4), 0x0F).transpose(-1, -2).reshape(n, 16)
+    db = (_half_at(blocks, 0) * (0.5 + scales.float()) * 0.25).view(n, 16, 1, 1)
+    high = _bits(qh, (0, 2, 4, 6), 0x03).transpose(-1, -2).reshape(n, 32).long()
+    grid = _grid("IQ2_S")[qs.long() | (high << 8)].view(n, 16, 2, 8)
+    out.view(n, 16, 2, 8).copy_(db * grid * _sign_bits(signs).view(n, 16, 2, 8))
+
+
+def _iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    qs, aux = blocks[:, 2:66], _le(blocks[:, 66:98].reshape(n, 8, 4))  # aux [n, 8]: signs and scale
+    db = (_half_at(blocks, 0) * (0.5 + (aux >> 28).float()) * 0.5).view(n, 8, 1, 1)
+    signs = _ksigns()[(aux[..., None] >> torch.tensor([0, 7, 14, 21])) & 0x7F]  # [n, 8, 4]
+    grid = _grid("IQ3_XXS")[qs.long()].view(n, 8, 4, 8)
+    out.view(n, 8, 4, 8).copy_(db * grid * _sign_bits(signs))
+
+
+def _iq3_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    qs, qh, signs, scales = blocks[:, 2:66], blocks[:, 66:74], blocks[:, 74:106], blocks[:, 106:110]
+    scales = _bits(scales, (0, 4), 0x0F).transpose(-1, -2).reshape(n, 8)
+    db = (_half_at(blocks, 0) * (1 + 2 * scales)).view(n, 8, 1, 1)
+    high = _bits(qh, range(8), 1).transpose(-1, -2).reshape(n, 64).long()
+    grid = _grid("IQ3_S")[qs.long() | (high << 8)].view(n, 8, 4, 8)
+    out.view(n, 8, 4, 8).copy_(db * grid * _sign_bits(signs).view(n, 8, 4, 8))
+
+
+def _iq1_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    qs, qh = blocks[:, 2:34], _le(blocks[:, 34:50].reshape(n, 8, 2))  # qh [n, 8] uint16
+    dl = (_half_at(blocks, 0) * (2 * ((qh >> 12) & 7) + 1)).view(n, 8, 1, 1)
+    delta = torch.where((qh & 0x8000) == 0, _IQ1_DELTA, -_IQ1_DELTA).float().view(n, 8, 1, 1)
+    high = ((qh[..., None] >> torch.tensor([0, 3, 6, 9])) & 7).reshape(n, 32)
+    grid = _grid("IQ1_S")[qs.long() | (high << 8)].view(n, 8, 4, 8)
+    out.view(n, 8, 4, 8).copy_(dl * (grid + delta))
+
+
+def _iq1_m(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """The one type whose float16 scale is spread over four fields (the top nibbles of its scales)."""
+    n = blocks.shape[0]
+    qs, qh, sc = blocks[:, :32], blocks[:, 32:48], _le(blocks[:, 48:56].reshape(n, 4, 2))  # sc [n, 4] uint16
+    d = _half_bits(((sc & 0xF000) >> torch.tensor([12, 8, 4, 0])).sum(-1)).view(n, 1)  # disjoint bits: sum == or
+    scales = ((sc[..., None] >> torch.tensor([0, 3, 6, 9])) & 7).reshape(n, 16)
+    dl = (d * (2 * scales + 1)).view(n, 8, 2, 1, 1)
+    nib = (qh.long()[..., None] >> torch.tensor([0, 4])).reshape(n, 32)  # a nibble per grid index
+    grid = _grid("IQ1_M")[qs.long() | ((nib & 7) << 8)].view(n, 8, 2, 2, 8)
+    delta = torch.where((nib & 0x08) == 0, _IQ1_DELTA, -_IQ1_DELTA).float().view(n, 8, 2, 2, 1)
+    out.view(n, 8, 2, 2, 8).copy_(dl * (grid + delta))
+
+
+def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    _scaled(out, _IQ4_VALUES[_nibbles(blocks[:, 2:]).long()], _half_at(blocks, 0))
+
+
+def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    high = (_le(blocks[:, 2:4])[:, None] >> torch.arange(0, 16, 2)) & 3  # [n, 8]
+    low = _bits(blocks[:, 4:8], (0, 4), 0x0F).transpose(-1, -2).reshape(n, 8).long()
+    scales = (low | (high << 4)) - 32
+    dl = (_half_at(blocks, 0) * scales.float()).view(n, 8, 1)
+    q = _bits(blocks[:, 8:].reshape(n, 8, 16), (0, 4), 0x0F).reshape(n, 8, 32)
+    _scaled(out.view(n, 8, 32), _IQ4_VALUES[q.long()], dl)
+
+
+def _tq1_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    powers = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
+    qs0 = (blocks[:, None, :32] * powers[:, None]).reshape(n, 160)  # uint8 products wrap, as numpy's
+    qs1 = (blocks[:, None, 32:48] * powers[:, None]).reshape(n, 80)
+    qh = (blocks[:, None, 48:52] * powers[:4, None]).reshape(n, 16)
+    q = ((torch.cat([qs0, qs1, qh], dim=1).int() * 3) >> 8) - 1  # [n, 256] in -1..1
+    _scaled(out, q, _half_at(blocks, 52))
+
+
+def _tq2_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    q = _bits(blocks[:, :64].reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 256).to(torch.int8) - 1
+    _scaled(out, q, _half_at(blocks, 64))
+
+
+def _e8m0_half(x: torch.Tensor) -> torch.Tensor:
+    """ggml's e8m0 scale, halved (the e2m1 values are stored doubled): uint8 -> float32."""
+    x = x.long()
+    bits = torch.where(x < 2, 0x00200000 << x, (x - 1) << 23)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    _scaled(out, _FP4_VALUES[_nibbles(blocks[:, 1:]).long()], _e8m0_half(blocks[:, :1]))
+
+
+def _ue4m3_half(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4's unsigned e4m3 scales, halved: uint8 -> float32 (gguf's ue4m3_to_fp32)."""
+    exp = (x.int() >> 3) & 0xF
+    man = (x & 7).float()
+    raw = torch.where(exp == 0, man * 2.0**-9, (1.0 + man / 8.0) * torch.pow(2.0, exp.float() - 7))
+    return torch.where((x == 0) | (x == 0x7F), 0.0, raw * 0.5)
+
+
+def _nvfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    d = _ue4m3_half(blocks[:, :4]).view(n, 4, 1)
+    qs = blocks[:, 4:].reshape(n, 4, 8)
+    q = _FP4_VALUES[torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()]  # [n, 4, 16]
+    out.view(n, 4, 16).copy_(d * q.float())
+
+
+def _q8_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """llama.cpp's dequantize_row_q8_K: float32 d, 256 int8 codes (the 16 int16 sums are not read)."""
+    d = blocks[:, :4].contiguous().view(torch.float32)
+    _scaled(out, blocks[:, 4:260].view(torch.int8), d)
+
+
 _KERNELS: dict[gguf.GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor], None]] = {
     T.F32: _f32, T.F16: _f16, T.BF16: _bf16,
     T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
     T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+    T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m, T.IQ2_XXS: _iq2_xxs, T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s,
+    T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs,
+    T.TQ1_0: _tq1_0, T.TQ2_0: _tq2_0, T.MXFP4: _mxfp4, T.NVFP4: _nvfp4, T.Q8_K: _q8_k,
 }
 
 SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(_KERNELS)

@@ -21,12 +21,11 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
 from wallbreaker.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError, WallbreakerError
+from wallbreaker.formats.dequant import SUPPORTED_TYPES
 
-RUNNABLE_TYPES: frozenset[QType] = frozenset({
-    QType.F32, QType.F16, QType.BF16,
-    QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
-    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
-})
+# Every type formats/dequant.py reads (the quantized kernels run some of them as stored; the rest
+# are dequantized at load and, on the auto path, requantized to Q8_0: models/source.py).
+RUNNABLE_TYPES: frozenset[QType] = SUPPORTED_TYPES
 
 MAX_DIMS = 4
 _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata count
