@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_spec import N_SAMPLES, chi_square_pvalue_is_tiny, llm, poor_draft, prompts, target  # noqa: F401
 
-from wallbreaker import SamplingParams
+from wallbreaker import LLM, SamplingParams
 from wallbreaker.engine.structured_output import StructuredOutputs
 from wallbreaker.sampling_params import StructuredOutputsParams as Constraint
 
@@ -128,3 +128,26 @@ def test_the_check_catches_plain_acceptance_of_constrained_drafts(target, poor_d
     monkeypatch.setattr(speculator, "verify", accept_all)
     counts = sample_constrained_second_tokens(target, poor_draft, N_SAMPLES, top_k=6)
     assert chi_square_pvalue_is_tiny(counts, constrained_case, N_SAMPLES)
+
+
+# -- the same on the real model -------------------------------------------------------------------
+@pytest.mark.real_model
+def test_greedy_under_a_schema_on_smollm2_is_the_same_with_ngram_and_draft_speculation(packaged_model):
+    """Real JSON repeats its keys and punctuation, so prompt n-grams propose drafts the grammar
+    forbids as well as ones it allows; float32, so the tokens must be identical."""
+    path = packaged_model("smollm2")
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"type": "object", "properties": {
+            "kind": {"enum": ["cat", "dog", "fish"]}, "name": {"type": "string", "maxLength": 12}},
+            "required": ["kind", "name"], "additionalProperties": False}, "minItems": 1, "maxItems": 3}},
+        "required": ["name", "age", "pets"], "additionalProperties": False}
+    conversations = [[{"role": "user", "content": f"Describe person {i} and their pets as JSON: name, age, pets "
+                                                  "(each with kind and name)."}] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=120, structured_outputs=Constraint(json=schema))
+    common = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_gb": 0.1}
+    plain = [o.outputs[0].token_ids for o in LLM(path, **common).chat(conversations, params)]
+    for kw in ({"speculative_method": "ngram"}, {"speculative_method": "draft", "speculative_model": str(path)}):
+        spec = LLM(path, num_speculative_tokens=4, speculative_adaptive=False, **common, **kw)
+        assert [o.outputs[0].token_ids for o in spec.chat(conversations, params)] == plain, kw
+        assert spec.stats()["spec_accepted"] > 0
