@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 import torch
-from test_spec import N_SAMPLES, chi_square_pvalue_is_tiny, llm, poor_draft, prompts, target  # noqa: F401
+from test_spec import N_SAMPLES, chi_square_pvalue_is_tiny, llm, prompts
+from tiny_models import make_tiny_model
 
 from wallbreaker import LLM, SamplingParams
 from wallbreaker.engine.structured_output import StructuredOutputs
@@ -19,6 +20,17 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["a", "n", "xs"], "additionalProperties": False}
 CONSTRAINTS = [Constraint(json=SCHEMA), Constraint(json=SCHEMA, disable_any_whitespace=True),
                Constraint(regex=r"([a-z]+ ){2,6}[0-9]{1,3}")]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama) -> str:
+    return str(tiny_llama.hf_dir)
+
+
+@pytest.fixture(scope="module")
+def poor_draft(tmp_path_factory) -> str:
+    """Same architecture and tokenizer, different random weights: a draft that is often wrong."""
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("draft"), seed=1).hf_dir)
 
 
 def greedy(constraint: Constraint) -> SamplingParams:
