@@ -13,6 +13,7 @@ products, float32 out. docs/kernels.md has the design and the measured figures.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import gguf
@@ -49,13 +50,13 @@ def set_isa(level: str | None) -> None:
         raise ValueError(str(e).splitlines()[0]) from None
 
 
+@functools.lru_cache(maxsize=64)  # a tied embedding asks for it on every step
 def _row_permutation(qtype: T, row_bytes: int) -> torch.Tensor | None:
     """Byte order of a row in the kernels' layout, as indices into the file's order (None: the same).
     32-block formats (csrc/qblocks.inc): the float16 d of every block, then (Q4_1, Q5_1) every m,
     then the codes in groups of 4 blocks (a row's last group: the rest): Q4_x each block's 16 nibble
     bytes; Q5_x each block's qh bits 0-15, each block's qh bits 16-31, each block's nibble bytes;
     Q8_0 each block's first 16 codes, then each block's last 16. The K-quants keep the file's order."""
-    qtype = T(qtype)
     if qtype not in BLOCK32_TYPES:
         return None
     _, size = block_info(qtype)
@@ -81,13 +82,13 @@ def _row_permutation(qtype: T, row_bytes: int) -> torch.Tensor | None:
 
 def pack_rows(raw: torch.Tensor, qtype: T) -> torch.Tensor:
     """[N, row_bytes] uint8 blocks in file order -> the kernels' row layout (the same bytes)."""
-    perm = _row_permutation(qtype, raw.shape[1])
+    perm = _row_permutation(T(qtype), raw.shape[1])
     return raw.contiguous() if perm is None else raw[:, perm].contiguous()
 
 
 def unpack_rows(packed: torch.Tensor, qtype: T) -> torch.Tensor:
     """Inverse of `pack_rows` (any number of rows, e.g. the looked-up rows of an embedding)."""
-    perm = _row_permutation(qtype, packed.shape[-1])
+    perm = _row_permutation(T(qtype), packed.shape[-1])
     if perm is None:
         return packed
     out = torch.empty_like(packed)

@@ -7,6 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels as qk
+from .direct import DirectModule
+
+
+_qmatmul = qk._C.qmatmul
 
 
 class Linear(nn.Module):
@@ -20,7 +24,7 @@ class Linear(nn.Module):
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(DirectModule):
     """GGUF blocks in the kernels' row layout, one or more segments (fused projections of the same
     input, each with its own type and rows) computed in one call; float32 out."""
 
@@ -34,6 +38,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"blocks{i}", w)
         self.blocks = [w for w, _ in segments]  # the call's list (the buffers above are the same tensors)
         self.register_buffer("bias", bias)
+        self._bias = bias  # read on every call: a plain attribute, not nn.Module's buffer lookup
 
     @classmethod
     def from_blocks(cls, segments: list[tuple[torch.Tensor, int]], in_features: int,
@@ -52,11 +57,11 @@ class QuantLinear(nn.Module):
         return torch.cat([qk.dequantize_packed(w, q, self.in_features) for w, q in zip(self.blocks, self.qtypes)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = qk._C.qmatmul(flat, self.blocks, self.qtypes)
-        if x.dim() != 2:
-            y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        if x.dim() == 2:
+            y = _qmatmul(x, self.blocks, self.qtypes)
+        else:
+            y = _qmatmul(x.reshape(-1, self.in_features), self.blocks, self.qtypes).view(*x.shape[:-1], -1)
+        return y if self._bias is None else y + self._bias
 
 
 def module_bytes(module: nn.Module) -> int:

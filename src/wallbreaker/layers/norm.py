@@ -3,9 +3,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _C
+from .direct import DirectModule
+
+_add_rms_norm_ = _C.add_rms_norm_
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectModule):
     """RMS normalization in float32; `weight` is the effective multiplier (Gemma's 1 + w is folded in at load)."""
 
     def __init__(self, dim: int, eps: float):
@@ -20,5 +23,5 @@ class RMSNorm(nn.Module):
         """h += delta (h float32, in place), then the norm of h: one pass, where a residual add meets
         the next norm. Without a delta, just the norm."""
         if delta is None:
-            return self(h)
-        return _C.add_rms_norm_(h, delta, self.weight, self.eps)
+            return self.forward(h)
+        return _add_rms_norm_(h, delta, self.weight, self.eps)

@@ -35,10 +35,16 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i, src) for i in range(cfg.num_layers))
         self.norm = rms_norm(src, "output_norm.weight", cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed(input_ids).float()  # [T, hidden]: the residual stream is float32 on every path
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden] float32: what the first layer receives (the residual stream is float32
+        on every path)."""
+        h = self.embed(input_ids).float()
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        return h
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
         delta = None
         for layer in self.layers:
             h, delta = layer(h, meta, delta)

@@ -4,16 +4,16 @@ the switches; this file only changes the shape of the block."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
+from ..layers.direct import DirectModule
 from .base import CausalLM, rms_norm
 from .llama import MLP, Attention
 from .source import WeightSource
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DirectModule):
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p, eps = f"blk.{layer}.", cfg.rms_norm_eps

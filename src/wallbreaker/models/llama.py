@@ -5,17 +5,20 @@ Gemma 3 (gemma3.py) reuses these pieces and changes the block around them.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .. import _C
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata, LayerKV, paged_attention
+from ..layers.direct import DirectModule
 from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM, rms_norm
 from .source import WeightSource
 
+_rope_write_kv, _gated_act = _C.rope_write_kv, _C.gated_act
+_NO_QK_NORM = (None, None, 0.0)
 
-class Attention(nn.Module):
+
+class Attention(DirectModule):
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."
@@ -27,6 +30,7 @@ class Attention(nn.Module):
         self.o = src.linear([p + "attn_output.weight"], parallel="row", slices=[q_rows])
         self.q_norm = rms_norm(src, p + "attn_q_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = rms_norm(src, p + "attn_k_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qk_norm = cfg.qk_norm
         sliding = cfg.is_sliding(layer)
         theta = cfg.rope_local_theta if sliding and cfg.rope_local_theta else cfg.rope_theta
         self.rope = RotaryEmbedding(cfg.head_dim, theta, 1.0 if sliding else cfg.rope_scaling_factor)
@@ -35,18 +39,15 @@ class Attention(nn.Module):
         self.kv: LayerKV | None = None  # this layer's pages in the KV pool, bound by the runner
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv(x)  # [T, (heads + 2 kv_heads) * head_dim]
-        cos, sin = meta.rotary(self.rope)
-        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        eps = self.q_norm.eps if self.q_norm is not None else 0.0
         kv = self.kv
-        q = _C.rope_write_kv(qkv, cos, sin, kv.k, kv.v, meta.slot_mapping, self.num_heads, self.num_kv_heads,
-                             *norms, eps, kv.k_scale, kv.v_scale)  # [T, heads, head_dim]; K/V are in the cache
-        out = paged_attention(q, kv, meta, self.scale, self.sliding_window)
-        return self.o(out.flatten(1))
+        cos, sin = meta.rotary(self.rope)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else _NO_QK_NORM
+        q = _rope_write_kv(self.qkv(x), cos, sin, kv.k, kv.v, meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                           *norms, kv.k_scale, kv.v_scale)  # [T, heads, head_dim]; K/V are in the cache
+        return self.o(paged_attention(q, kv, meta, self.scale, self.sliding_window).flatten(1))
 
 
-class MLP(nn.Module):
+class MLP(DirectModule):
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."
@@ -55,10 +56,10 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(_C.gated_act(self.gate_up(x), self.act))
+        return self.down(_gated_act(self.gate_up(x), self.act))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectModule):
     """Pre-norm block. The residual add is deferred: a layer returns (h, delta), the output being
     h + delta, and the next norm adds delta into h in the same pass (`RMSNorm.add_and_norm`)."""
 

@@ -15,10 +15,6 @@ from torch import nn
 from ..layers.attention import AttentionMetadata, LayerKV, PrefillSpan
 
 
-class _Stop(Exception):
-    pass
-
-
 @dataclass
 class LinearGroup:
     """A Linear module of a decoder layer and the canonical tensors fused in its rows."""
@@ -65,24 +61,7 @@ class LayerRunner:
     @torch.no_grad()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[N, L] token ids -> [N, L, hidden]: what the first layer receives."""
-        captured: list[torch.Tensor] = []
-
-        def grab(module, args):
-            captured.append(args[0].float().clone())
-            raise _Stop
-
-        handle = self.model.layers[0].register_forward_pre_hook(grab)
-        try:
-            for start in range(0, ids.shape[0], self.batch):
-                chunk = ids[start:start + self.batch]
-                meta = self._meta(chunk.shape[0])
-                try:
-                    self.model(chunk.reshape(-1), meta)
-                except _Stop:
-                    pass
-        finally:
-            handle.remove()
-        return torch.cat(captured).view(ids.shape[0], self.seqlen, -1)
+        return self.model.embed_tokens(ids.reshape(-1)).view(ids.shape[0], self.seqlen, -1)
 
     @torch.no_grad()
     def run(self, i: int, hidden: torch.Tensor, samples: int | None = None) -> torch.Tensor:
