@@ -17,23 +17,36 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
-def _tiny(arch: str, factory: pytest.TempPathFactory) -> TinyModel:
-    return make_tiny_model(arch, factory.mktemp(f"tiny_{arch}"))
+@pytest.fixture(scope="session")
+def tiny_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], TinyModel]:
+    """`tiny_of("mixtral")`: the tiny model of that kind (tiny_models.KINDS), built once a session."""
+    built: dict[str, TinyModel] = {}
+
+    def get(kind: str) -> TinyModel:
+        if kind not in built:
+            built[kind] = make_tiny_model(kind, tmp_path_factory.mktemp(f"tiny_{kind}"))
+        return built[kind]
+    return get
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return _tiny("llama", tmp_path_factory)
+def tiny_llama(tiny_of) -> TinyModel:
+    return tiny_of("llama")
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return _tiny("qwen2", tmp_path_factory)
+def tiny_qwen2(tiny_of) -> TinyModel:
+    return tiny_of("qwen2")
 
 
 @pytest.fixture(scope="session")
-def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return _tiny("gemma3", tmp_path_factory)
+def tiny_qwen3(tiny_of) -> TinyModel:
+    return tiny_of("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tiny_of) -> TinyModel:
+    return tiny_of("gemma3")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

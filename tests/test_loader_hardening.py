@@ -30,7 +30,7 @@ import torch
 from gguf import GGUFValueType as VType
 
 from wallbreaker import LLM, SamplingParams
-from wallbreaker.config import ModelConfig
+from wallbreaker.config import ModelConfig, RopeScaling
 from wallbreaker.errors import ModelFormatError, UnsupportedModelError, WallbreakerError
 from wallbreaker.formats import open_model
 
@@ -438,7 +438,8 @@ BASE = dict(architecture="llama", vocab_size=32, hidden_size=64, intermediate_si
     ("vocab_size", 0), ("hidden_size", -1), ("num_layers", 0), ("num_heads", 0), ("num_kv_heads", 0),
     ("head_dim", 15), ("head_dim", 0), ("num_layers", 2.0), ("hidden_size", True), ("hidden_size", "64"),
     ("max_position_embeddings", 0), ("rms_norm_eps", 0.0), ("rms_norm_eps", math.nan), ("rope_theta", -1.0),
-    ("rope_theta", math.inf), ("rope_scaling_factor", 0.0), ("query_pre_attn_scalar", 0.0),
+    ("rope_theta", math.inf), ("rope_scaling", RopeScaling("linear", factor=0.0)),
+    ("rope_scaling", RopeScaling("ntk")), ("rope_scaling", 2.0), ("attn_logit_softcap", 0.0), ("num_experts", 2), ("query_pre_attn_scalar", 0.0),
     ("rope_local_theta", math.nan), ("sliding_window", 0), ("layer_types", ("full",)),
     ("layer_types", ("full", "local")), ("hidden_act", "relu"), ("bos_token_id", 32), ("bos_token_id", -1),
     ("eos_token_ids", (1, 32)), ("eos_token_ids", ("1",)), ("tie_word_embeddings", "yes"),

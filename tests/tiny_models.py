@@ -4,6 +4,11 @@ Each is written twice: a Hugging Face folder (transformers' `save_pretrained`, t
 GGUF file of the same weights through wallbreaker's `write_gguf`. Both carry the same tiny byte-level
 BPE tokenizer, trained here deterministically on a fixed text, splitting text like a different
 llama.cpp pre-tokenizer per architecture (llama: "gpt2", qwen2: "qwen2", gemma3: "llama-bpe").
+
+A model is named by its kind (`KINDS`): an architecture (llama, qwen2, qwen3, phi3, gemma2, gemma3,
+qwen3moe) or a model family that is one of them with its own settings (llama3: Llama 3.1's RoPE
+scaling; mistral: a sliding window; mixtral: llama with experts; qwen3-yarn, phi3-longrope: those
+RoPE scalings).
 """
 from __future__ import annotations
 
@@ -18,9 +23,10 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from wallbreaker.config import ModelConfig
+from wallbreaker.config import ModelConfig, RopeScaling
 from wallbreaker.formats.gguf_writer import write_gguf
-from wallbreaker.formats.names import hf_to_canonical_table, is_norm
+from wallbreaker.formats.names import (FUSED_GATE_UP, FUSED_QKV, GEMMA_ARCHITECTURES, hf_expert,
+                                       hf_to_canonical_table, is_norm)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS, EOS = "<|endoftext|>", "<|im_end|>"
@@ -119,7 +125,7 @@ def _save_hf_tokenizer(tok: Tokenizer, out: Path, add_bos: bool) -> None:
 
 @dataclass(frozen=True)
 class TinyModel:
-    arch: str
+    arch: str  # the kind (KINDS), e.g. "mixtral"; config.architecture is wallbreaker's name for it
     hf_dir: Path
     gguf_path: Path
     config: ModelConfig
@@ -133,12 +139,29 @@ class TinyModel:
         return AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32).eval()
 
     def canonical_tensors(self) -> dict[str, torch.Tensor]:
-        """The weights under canonical names and layout (Gemma norms as 1 + w)."""
-        table = hf_to_canonical_table(self.arch, self.config.num_layers)
-        out = {}
+        """The weights under canonical names and layout (Gemma norms as 1 + w, Phi-3's fused
+        projections split, each expert's projections stacked into [experts, out, in])."""
+        c = self.config
+        table = hf_to_canonical_table(c.architecture, c.num_layers, c.is_moe)
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[str, dict[int, torch.Tensor]] = {}
         for hf_name, t in load_file(self.hf_dir / "model.safetensors").items():
+            if hf_name not in table:
+                name, e = hf_expert(c.architecture, hf_name)
+                experts.setdefault(name, {})[e] = t
+                continue
             name = table[hf_name]
-            out[name] = t + 1 if self.arch == "gemma3" and is_norm(name) else t
+            out[name] = t + 1 if c.architecture in GEMMA_ARCHITECTURES and is_norm(name) else t
+        for name, parts in experts.items():
+            out[name] = torch.stack([parts[e] for e in range(len(parts))])
+        q, kv, ff = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        for i in range(c.num_layers):
+            p = f"blk.{i}."
+            if p + FUSED_QKV in out:
+                out[p + "attn_q.weight"], out[p + "attn_k.weight"], out[p + "attn_v.weight"] = \
+                    out.pop(p + FUSED_QKV).split([q, kv, kv])
+            if p + FUSED_GATE_UP in out:
+                out[p + "ffn_gate.weight"], out[p + "ffn_up.weight"] = out.pop(p + FUSED_GATE_UP).split([ff, ff])
         return out
 
     def write_gguf(self, path: Path, tensor_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
@@ -156,29 +179,78 @@ class TinyModel:
 
 _DEFAULTS = {  # tie_word_embeddings, qkv_bias, add_bos, pre-tokenizer
     "llama": (False, False, True, "gpt2"),
+    "llama3": (False, False, True, "llama-bpe"),
+    "mistral": (False, False, True, "gpt2"),
+    "mixtral": (False, False, True, "gpt2"),
     "qwen2": (True, True, False, "qwen2"),
+    "qwen3": (True, False, False, "qwen2"),
+    "qwen3-yarn": (True, False, False, "qwen2"),
+    "qwen3moe": (False, False, False, "qwen2"),
+    "phi3": (False, False, True, "gpt2"),
+    "phi3-longrope": (False, False, True, "gpt2"),
+    "gemma2": (True, False, True, "llama-bpe"),
     "gemma3": (True, False, True, "llama-bpe"),
 }
+KINDS = tuple(_DEFAULTS)
+_ARCHITECTURE = {"llama3": "llama", "mistral": "llama", "mixtral": "llama", "qwen3-yarn": "qwen3",
+                 "phi3-longrope": "phi3"}
 _GEMMA3_LAYERS = ("sliding", "sliding", "full", "sliding")
+HEAD_DIM = 16
+# Llama 3.1's scaling with a short "original" context, so that it changes most frequencies here
+LLAMA3_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64)
+YARN_ROPE = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=128)
+# LongRoPE: texts here stay below 64 positions, where transformers and wallbreaker both use the
+# short factors (their long factors are checked in tests/test_rotary.py)
+LONGROPE = RopeScaling("longrope", factor=8.0, original_max_position_embeddings=64,
+                       short_factor=tuple(1.0 + 0.25 * i for i in range(HEAD_DIM // 2)),
+                       long_factor=tuple(2.0 + 1.5 * i for i in range(HEAD_DIM // 2)))
+
+
+def architecture_of(kind: str) -> str:
+    return _ARCHITECTURE.get(kind, kind)
 
 
 def tiny_model_config(arch: str, vocab_size: int, bos: int, eos: int, *, tie_word_embeddings: bool,
                       qkv_bias: bool) -> ModelConfig:
-    """What wallbreaker should infer for the tiny `arch` model.
+    """What wallbreaker should infer for the tiny model of kind `arch`.
 
     RoPE bases are off the library defaults so that a reader falling back to a default is caught.
     Gemma 3 also departs from what llama.cpp hardcodes for it (sliding pattern of 6, local base
-    10000, scale 1/sqrt(head_dim)); the writer stores all three explicitly.
+    10000, scale 1/sqrt(head_dim)); the writer stores all three explicitly. Sliding windows are
+    shorter than the test texts, soft caps small enough to bind.
     """
+    kind = arch
     common: dict[str, Any] = dict(
-        architecture=arch, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=4,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+        architecture=architecture_of(kind), vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, max_position_embeddings=512,
         tie_word_embeddings=tie_word_embeddings, qkv_bias=qkv_bias, bos_token_id=bos, eos_token_ids=(eos,),
     )
-    if arch == "llama":
+    if kind == "llama":
         return ModelConfig(**common, rms_norm_eps=1e-5, rope_theta=50000.0)
-    if arch == "qwen2":
+    if kind == "llama3":
+        return ModelConfig(**common, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)
+    if kind == "mistral":
+        return ModelConfig(**common, rms_norm_eps=1e-5, rope_theta=20000.0, sliding_window=16,
+                           layer_types=("sliding",) * 4)
+    if kind == "mixtral":
+        return ModelConfig(**common, rms_norm_eps=1e-5, rope_theta=30000.0, num_experts=4, num_experts_per_tok=2)
+    if kind == "qwen2":
         return ModelConfig(**common, rms_norm_eps=1e-6, rope_theta=1e6)
+    if kind in ("qwen3", "qwen3-yarn"):
+        return ModelConfig(**common, rms_norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+                           rope_scaling=YARN_ROPE if kind == "qwen3-yarn" else None)
+    if kind == "qwen3moe":
+        return ModelConfig(**common, rms_norm_eps=1e-6, rope_theta=2e6, qk_norm=True, num_experts=4,
+                           num_experts_per_tok=2, expert_intermediate_size=64, norm_topk_prob=True)
+    if kind in ("phi3", "phi3-longrope"):
+        return ModelConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0 * 3,
+                           rope_scaling=LONGROPE if kind == "phi3-longrope" else None)
+    if kind == "gemma2":
+        return ModelConfig(
+            **common, rms_norm_eps=1e-6, rope_theta=20000.0, hidden_act="gelu_tanh", sandwich_norm=True,
+            embed_scale=True, query_pre_attn_scalar=32.0, sliding_window=16,
+            layer_types=("sliding", "full", "sliding", "full"), attn_logit_softcap=2.0, final_logit_softcap=10.0)
     return ModelConfig(
         **common, rms_norm_eps=1e-6, rope_theta=1e6, hidden_act="gelu_tanh", qk_norm=True, sandwich_norm=True,
         embed_scale=True, query_pre_attn_scalar=32.0, sliding_window=16, layer_types=_GEMMA3_LAYERS,
@@ -186,32 +258,73 @@ def tiny_model_config(arch: str, vocab_size: int, bos: int, eos: int, *, tie_wor
     )
 
 
-def hf_model(config: ModelConfig, seed: int) -> torch.nn.Module:
+def _hf_rope(c: ModelConfig) -> dict[str, Any]:
+    """transformers' rope_parameters for `c` (one dict: no architecture here has two but Gemma 3)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
+    s = c.rope_scaling
+    if s is None:
+        return rope
+    rope.update(rope_type=s.kind, factor=s.factor, original_max_position_embeddings=s.original_max_position_embeddings)
+    if s.kind == "llama3":
+        rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
+    elif s.kind == "longrope":
+        rope.update(short_factor=list(s.short_factor), long_factor=list(s.long_factor))
+        del rope["factor"]  # transformers derives it: max_position_embeddings / original
+    return rope
+
+
+def hf_model(config: ModelConfig, seed: int, kind: str | None = None) -> torch.nn.Module:
     """A transformers model for `config`, with random weights large enough for peaked logits and
     norm weights moved off their neutral value, so that mistakes in either show up."""
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    import transformers as tf
 
     c = config
+    kind = kind or c.architecture
     common: dict[str, Any] = dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
         head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings, initializer_range=0.08,
+        tie_word_embeddings=c.tie_word_embeddings, initializer_range=0.08,
         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_ids[0], pad_token_id=c.bos_token_id,
     )
+    rope = _hf_rope(c)
     torch.manual_seed(seed)
-    if c.architecture == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=False, mlp_bias=False))
-    elif c.architecture == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    if kind in ("llama", "llama3"):
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_parameters=rope, attention_bias=False, mlp_bias=False))
+    elif kind == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, rope_parameters=rope, sliding_window=c.sliding_window))
+    elif kind == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**common, rope_parameters=rope, num_local_experts=c.num_experts,
+                                                       num_experts_per_tok=c.num_experts_per_tok))
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False))
+    elif kind in ("qwen3", "qwen3-yarn"):
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, rope_parameters=rope, attention_bias=False,
+                                                   use_sliding_window=False))
+    elif kind == "qwen3moe":
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **common, rope_parameters=rope, attention_bias=False, num_experts=c.num_experts,
+            num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.expert_ffn,
+            norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False))
+    elif kind in ("phi3", "phi3-longrope"):
+        s = c.rope_scaling
+        original = s.original_max_position_embeddings if s is not None else c.max_position_embeddings
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**common, rope_parameters=rope, original_max_position_embeddings=original,
+                                                 sliding_window=None))
+    elif kind == "gemma2":
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(
+            **common, rope_parameters=rope, query_pre_attn_scalar=int(c.query_pre_attn_scalar),
+            sliding_window=c.sliding_window, layer_types=[f"{t}_attention" for t in c.layer_types],
+            attn_logit_softcapping=c.attn_logit_softcap, final_logit_softcapping=c.final_logit_softcap,
+            hidden_activation="gelu_pytorch_tanh"))
     else:
-        model = Gemma3ForCausalLM(Gemma3TextConfig(
-            **common, query_pre_attn_scalar=int(c.query_pre_attn_scalar), sliding_window=c.sliding_window,
-            layer_types=[f"{t}_attention" for t in c.layer_types], rope_local_base_freq=c.rope_local_theta,
-            hidden_activation="gelu_pytorch_tanh",
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            **common, rope_theta=c.rope_theta, query_pre_attn_scalar=int(c.query_pre_attn_scalar),
+            sliding_window=c.sliding_window, layer_types=[f"{t}_attention" for t in c.layer_types],
+            rope_local_base_freq=c.rope_local_theta, hidden_activation="gelu_pytorch_tanh",
         ))
-    neutral = 0.0 if c.architecture == "gemma3" else 1.0
+    gemma = c.architecture in GEMMA_ARCHITECTURES
+    neutral = 0.0 if gemma else 1.0
     # Gemma's sqrt(hidden) embedding scale would make a large tied embedding echo its input token;
     # a small one plus a larger final norm keeps the logits peaked instead.
     embed_std, final_gain = (0.1, 1.5) if c.embed_scale else (0.25, 0.0)
@@ -225,6 +338,10 @@ def hf_model(config: ModelConfig, seed: int) -> torch.nn.Module:
                 p.normal_(0.0, 0.1)
             elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
                 p.normal_(0.0, embed_std)
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.normal_(0.0, 0.5)  # a router with clear preferences: no near-ties in the top-k
+            elif p.dim() == 3:  # experts' [experts, out, in]: set here, whatever transformers' init does
+                p.normal_(0.0, 0.08)
     return model.float().eval()
 
 
@@ -233,7 +350,7 @@ def make_tiny_model(arch: str, tmp_dir: Path, *, tie_word_embeddings: bool | Non
     """Build the tiny `arch` model under `tmp_dir`: `hf/` (transformers folder) and `model.gguf` (F32).
 
     Defaults follow the real models: llama untied without biases, qwen2 tied with q/k/v biases,
-    gemma3 tied. transformers only has q/k/v biases for qwen2 (llama's `attention_bias` also adds
+    gemma tied. transformers only has q/k/v biases for qwen2 (llama's `attention_bias` also adds
     an o_proj bias), so `qkv_bias` must match that.
     """
     default_tie, default_bias, add_bos, pre = _DEFAULTS[arch]
@@ -248,7 +365,7 @@ def make_tiny_model(arch: str, tmp_dir: Path, *, tie_word_embeddings: bool | Non
     tok = train_tokenizer(pre, add_bos)
     config = tiny_model_config(arch, tok.get_vocab_size(), tok.token_to_id(BOS), tok.token_to_id(EOS),
                                tie_word_embeddings=tie, qkv_bias=bias)
-    hf_model(config, seed).save_pretrained(hf_dir)
+    hf_model(config, seed, arch).save_pretrained(hf_dir)
     _save_hf_tokenizer(tok, hf_dir, add_bos)
 
     tiny = TinyModel(arch, hf_dir, tmp_dir / "model.gguf", config, gguf_tokenizer_metadata(tok, pre, add_bos),

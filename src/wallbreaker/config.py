@@ -11,10 +11,12 @@ import torch
 
 from .errors import InvalidRequestError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+# llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 MAX_SIZE = 2**63
 LAYER_TYPES = ("full", "sliding")
+ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
 
 
 class ConfigError(ValueError):
@@ -60,6 +62,65 @@ def _positive_float(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies depart from theta ** (-2i / head_dim); layers/rotary.py builds them.
+
+    - linear: every frequency divided by `factor`.
+    - llama3: Llama 3.1's smooth blend between low and high frequencies (`factor`,
+      `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`), or, as llama.cpp
+      stores it (GGUF `rope_freqs.weight`), one divisor per frequency in `freq_factors`.
+    - yarn: a ramp between interpolated and extrapolated frequencies (`factor`, `beta_fast`,
+      `beta_slow`, `truncate`, `original_max_position_embeddings`) and `attention_factor` on cos/sin.
+    - longrope (Phi-3): one divisor per frequency, `short_factor` for positions below
+      `original_max_position_embeddings` and `long_factor` from there, and `attention_factor`.
+    `attention_factor` None: derived from `factor` as transformers does (for longrope `factor` is
+    max_position_embeddings / original_max_position_embeddings unless the model gives it).
+    """
+
+    kind: str
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    freq_factors: tuple[float, ...] = ()
+
+    def check(self, head_dim: int) -> None:
+        if self.kind not in ROPE_TYPES:
+            raise ConfigError("rope_scaling", f"rope_scaling kind {short_repr(self.kind)} is not supported "
+                                              f"(supported: {', '.join(ROPE_TYPES)})")
+        _positive_float("rope_scaling.factor", self.factor)
+        for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor"):
+            if getattr(self, name) is not None:
+                _positive_float(f"rope_scaling.{name}", getattr(self, name))
+        if self.original_max_position_embeddings is not None:
+            _positive_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
+        needs = {"llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+                 "yarn": ("original_max_position_embeddings",), "longrope": ("original_max_position_embeddings",)}
+        if self.kind == "llama3" and self.freq_factors:
+            needs.pop("llama3")
+        for name in needs.get(self.kind, ()):
+            if getattr(self, name) is None:
+                raise ConfigError("rope_scaling", f"{self.kind} RoPE scaling needs {name}")
+        if self.kind == "llama3" and not self.freq_factors and self.low_freq_factor == self.high_freq_factor:
+            raise ConfigError("rope_scaling", "llama3 RoPE scaling needs low_freq_factor != high_freq_factor")
+        lists = {"short_factor": self.short_factor, "long_factor": self.long_factor, "freq_factors": self.freq_factors}
+        if self.kind == "longrope" and not (self.short_factor and self.long_factor):
+            raise ConfigError("rope_scaling", "longrope RoPE scaling needs short_factor and long_factor")
+        for name, values in lists.items():
+            if values and len(values) != head_dim // 2:
+                raise ConfigError("rope_scaling", f"rope_scaling.{name} needs head_dim / 2 = {head_dim // 2} "
+                                                  f"values, got {len(values)}")
+            for v in values:
+                _positive_float(f"rope_scaling.{name}", v)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What a model *is*, independent of the file it came from.
 
@@ -77,7 +138,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling_factor: float = 1.0  # linear position interpolation
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -90,6 +151,17 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())  # per layer: "full" | "sliding"
     rope_local_theta: float | None = None  # RoPE base of sliding layers
+    # Gemma 2: tanh soft-capping, cap * tanh(x / cap), of the attention scores and the final logits
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # mixture of experts (Mixtral, Qwen3-MoE): a softmax router picks num_experts_per_tok experts
+    # of num_experts per token; their outputs are summed, weighted by the router's probabilities
+    # (renormalized over the chosen ones with norm_topk_prob). expert_intermediate_size: each
+    # expert's FFN width (None: intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -108,14 +180,26 @@ class ModelConfig:
                                               f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError("head_dim", f"head_dim must be even (RoPE rotates pairs of channels), got {self.head_dim}")
-        for name in ("rms_norm_eps", "rope_theta", "rope_scaling_factor"):
+        for name in ("rms_norm_eps", "rope_theta"):
             _positive_float(name, getattr(self, name))
-        for name in ("query_pre_attn_scalar", "rope_local_theta"):
+        for name in ("query_pre_attn_scalar", "rope_local_theta", "attn_logit_softcap", "final_logit_softcap"):
             if getattr(self, name) is not None:
                 _positive_float(name, getattr(self, name))
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, RopeScaling):
+                raise ConfigError("rope_scaling", f"rope_scaling must be a RopeScaling, got {short_repr(self.rope_scaling)}")
+            self.rope_scaling.check(self.head_dim)
+        if self.num_experts or self.num_experts_per_tok:
+            _positive_int("num_experts", self.num_experts)
+            _positive_int("num_experts_per_tok", self.num_experts_per_tok)
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError("num_experts_per_tok", f"num_experts_per_tok ({self.num_experts_per_tok}) "
+                                                         f"exceeds num_experts ({self.num_experts})")
+        if self.expert_intermediate_size is not None:
+            _positive_int("expert_intermediate_size", self.expert_intermediate_size)
         if self.sliding_window is not None:
             _positive_int("sliding_window", self.sliding_window)
-        for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "sandwich_norm", "embed_scale"):
+        for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "sandwich_norm", "embed_scale", "norm_topk_prob"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"{name} must be true or false, got {short_repr(getattr(self, name))}")
         if self.hidden_act not in HIDDEN_ACTS:
@@ -145,6 +229,15 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """Each expert's FFN width."""
+        return self.expert_intermediate_size or self.intermediate_size
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -2,21 +2,24 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from ..config import ConfigError, ModelConfig, short_repr
+from ..config import ROPE_TYPES, ConfigError, ModelConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
-from .names import hf_to_canonical_table, is_norm
-from .quantized_hf import is_quantized_folder, read_quantized_weights
+from .names import GEMMA_ARCHITECTURES, hf_expert, hf_to_canonical_table, is_derived, is_norm
+from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
 from .tokenizer import Tokenizer, check_token_ids
-from .weights import ModelFiles, WeightRef, check_weights
+from .weights import ModelFiles, WeightRef, check_weights, split_fused, stacked_experts
 
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+# model_type -> ModelConfig.architecture (llama.cpp's names: Mistral and Mixtral are llama)
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -40,9 +43,11 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if config.num_layers > n_tensors:
         raise ModelFormatError(f"{cfg_path}: num_hidden_layers is {config.num_layers} but the folder has only "
                                f"{n_tensors} tensors")
-    weights = _safetensors_weights(path, config, handles)
-    if is_quantized_folder(hf):
+    quantized = is_quantized_folder(hf)
+    weights = _safetensors_weights(path, config, handles, quantized)
+    if quantized:
         weights.update(read_quantized_weights(path, config, hf["quantization_config"]))
+    split_fused(str(path), config, weights)
     check_weights(str(path), config, weights)
     tokenizer = Tokenizer.from_hf_folder(path)
     check_token_ids(tokenizer, config.vocab_size, str(path), "the embedding (config.json vocab_size)")
@@ -59,18 +64,28 @@ _HF_KEYS = {
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
     "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
     "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
-    "rope_scaling_factor": "rope_scaling.factor", "max_position_embeddings": "max_position_embeddings",
+    "rope_scaling": "rope_parameters", "max_position_embeddings": "max_position_embeddings",
     "tie_word_embeddings": "tie_word_embeddings", "qkv_bias": "attention_bias",
     "query_pre_attn_scalar": "query_pre_attn_scalar", "sliding_window": "sliding_window",
     "layer_types": "layer_types", "rope_local_theta": "rope_local_base_freq", "bos_token_id": "bos_token_id",
-    "eos_token_ids": "eos_token_id",
+    "eos_token_ids": "eos_token_id", "attn_logit_softcap": "attn_logit_softcapping",
+    "final_logit_softcap": "final_logit_softcapping", "num_experts": "num_local_experts",
+    "num_experts_per_tok": "num_experts_per_tok", "expert_intermediate_size": "moe_intermediate_size",
+    "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act",
 }
 _REQUIRED = object()
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# RoPE parameters we read; any other key in them changes the rotation in a way we do not run.
+_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+                        "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "truncate",
+                        "attention_factor", "mscale", "mscale_all_dim", "short_factor", "long_factor",
+                        "partial_rotary_factor"})
 
 
 def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     where = f"{path}/config.json"
-    arch = _MODEL_TYPES.get(hf.get("model_type")) if isinstance(hf.get("model_type"), str) else None
+    model_type = hf.get("model_type") if isinstance(hf.get("model_type"), str) else None
+    arch = _MODEL_TYPES.get(model_type)
     if arch is None:
         raise UnsupportedModelError(f"{path}: unsupported model_type {short_repr(hf.get('model_type'))} "
                                     f"(supported: {', '.join(_MODEL_TYPES)})")
@@ -87,51 +102,183 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
             raise ModelFormatError(f"{where}: {key} must be a JSON object, got {short_repr(value)}")
         return value
 
-    def number(key: str, default: float, within: dict[str, Any] = hf) -> Any:
+    def number(key: str, default: Any, within: dict[str, Any] = hf) -> Any:
         value = within.get(key, default)
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
+    def unsupported(what: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{where}: {what} is not supported")
+
+    _refuse_unimplemented(hf, unsupported)
     rope = obj("rope_parameters")
     global_rope = obj("full_attention", rope) if "full_attention" in rope else rope
     local_rope = obj("sliding_attention", rope)
     scaling = obj("rope_scaling") if hf.get("rope_scaling") else global_rope
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "linear"):
-        raise UnsupportedModelError(f"{path}: unsupported RoPE scaling {short_repr(rope_type)}")
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
     head_dim = hf.get("head_dim")
     if head_dim is None:  # hidden_size / heads, where both are usable (else ModelConfig names the bad one)
         usable = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, hidden))
         head_dim = hidden // heads if usable else heads
+    max_positions = hf.get("max_position_embeddings", 4096)
+    rope_scaling = _rope_scaling(scaling, hf, max_positions, where, unsupported)
     eos = hf.get("eos_token_id")
-    extra: dict[str, Any] = {}
-    if arch == "gemma3":
-        layer_types = hf.get("layer_types") or []
-        if not isinstance(layer_types, list):
-            raise ModelFormatError(f"{where}: layer_types must be a list, got {short_repr(layer_types)}")
-        extra = dict(hidden_act="gelu_tanh", qk_norm=True, sandwich_norm=True, embed_scale=True,
-                     query_pre_attn_scalar=number("query_pre_attn_scalar", hf.get("head_dim", 256)),
-                     sliding_window=hf.get("sliding_window"),
-                     layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types),
-                     rope_local_theta=number("rope_theta", number("rope_local_base_freq", 10000.0), local_rope))
+    layers = get("num_hidden_layers")
+    gemma = arch in GEMMA_ARCHITECTURES
+    act_key = "hidden_activation" if gemma and hf.get("hidden_activation") is not None else "hidden_act"
+    act = hf.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+    if not isinstance(act, str) or act not in _ACTIVATIONS:
+        raise unsupported(f"{act_key} {short_repr(act)}")
+    extra: dict[str, Any] = dict(hidden_act=_ACTIVATIONS[act],
+                                 attn_logit_softcap=number("attn_logit_softcapping", None),
+                                 final_logit_softcap=number("final_logit_softcapping", None))
+    if gemma:
+        extra.update(sandwich_norm=True, embed_scale=True, qk_norm=arch == "gemma3",
+                     query_pre_attn_scalar=number("query_pre_attn_scalar", 256.0 if arch == "gemma2" else
+                                                  hf.get("head_dim", 256)),
+                     sliding_window=hf.get("sliding_window", 4096 if arch == "gemma2" else None),
+                     layer_types=_layer_types(hf, layers, where, "alternate" if arch == "gemma2" else "none"))
+        if arch == "gemma3":
+            extra["rope_local_theta"] = number("rope_theta", number("rope_local_base_freq", 10000.0), local_rope)
+    elif hf.get("sliding_window") is not None and not (arch in ("qwen2", "qwen3", "qwen3moe")
+                                                       and not hf.get("use_sliding_window")):
+        # Mistral, Mixtral and Phi-3 slide every layer; Qwen only with use_sliding_window, from max_window_layers
+        extra.update(sliding_window=hf.get("sliding_window"),
+                     layer_types=_layer_types(hf, layers, where, "qwen" if arch.startswith("qwen") else "all"))
+    if arch in ("qwen3", "qwen3moe"):
+        extra["qk_norm"] = True
+    if model_type == "mixtral":
+        extra.update(num_experts=hf.get("num_local_experts"), num_experts_per_tok=hf.get("num_experts_per_tok"))
+    if arch == "qwen3moe":
+        _refuse_dense_layers(hf, layers, unsupported)
+        extra.update(num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+                     num_experts_per_tok=hf.get("num_experts_per_tok"),
+                     expert_intermediate_size=hf.get("moe_intermediate_size"),
+                     norm_topk_prob=hf.get("norm_topk_prob", False))
     try:
         return ModelConfig(
             architecture=arch, vocab_size=get("vocab_size"), hidden_size=hidden,
-            intermediate_size=get("intermediate_size"), num_layers=get("num_hidden_layers"), num_heads=heads,
+            intermediate_size=get("intermediate_size"), num_layers=layers, num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=number("rms_norm_eps", 1e-6),
             rope_theta=number("rope_theta", number("rope_theta", 10000.0), global_rope),
-            rope_scaling_factor=number("factor", 1.0, scaling) if rope_type == "linear" else 1.0,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=hf.get("tie_word_embeddings", arch == "gemma3"),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
             qkv_bias=hf.get("attention_bias", arch == "qwen2"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             **extra)
     except ConfigError as e:
-        raise ModelFormatError(f"{where}: {_HF_KEYS.get(e.field, e.field)}: {e}") from None
+        qwen_experts = e.field == "num_experts" and "num_experts" in hf  # transformers 4's name for Qwen3-MoE
+        key = "num_experts" if qwen_experts else _HF_KEYS.get(e.field, e.field)
+        raise ModelFormatError(f"{where}: {key}: {e}") from None
+
+
+def _refuse_unimplemented(hf: dict[str, Any], unsupported) -> None:
+    """Keys that would change the math, set to what we do not run: refused, never ignored."""
+    places = [hf] + [r for r in (hf.get("rope_parameters"), hf.get("rope_scaling")) if isinstance(r, dict)]
+    for place in places:
+        partial = place.get("partial_rotary_factor", 1.0)
+        if partial not in (1, 1.0, None):
+            raise unsupported(f"partial RoPE (partial_rotary_factor {short_repr(partial)})")
+    for key, harmless in (("mlp_bias", (False, None)), ("use_bidirectional_attention", (False, None)),
+                          ("is_causal", (True, None)), ("attn_output_gate", (False, None)),
+                          ("shared_expert_intermediate_size", (0, None)), ("use_qk_norm", (False, None))):
+        if key in hf and hf[key] not in harmless:
+            raise unsupported(f"{key} {short_repr(hf[key])}")
+
+
+def _refuse_dense_layers(hf: dict[str, Any], layers: Any, unsupported) -> None:
+    """Qwen3-MoE may make some layers dense (mlp_only_layers, decoder_sparse_step); ours are all sparse."""
+    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if step not in (1, None):
+        raise unsupported(f"decoder_sparse_step {short_repr(step)} (dense layers between sparse ones)")
+    if only:
+        raise unsupported(f"mlp_only_layers {short_repr(only)} (dense layers between sparse ones)")
+
+
+def _layer_types(hf: dict[str, Any], layers: Any, where: str, default: str) -> tuple[str, ...]:
+    """Per layer "sliding" | "full": config.json's `layer_types`, else the architecture's rule."""
+    given = hf.get("layer_types")
+    if given is not None:
+        if not isinstance(given, list):
+            raise ModelFormatError(f"{where}: layer_types must be a list, got {short_repr(given)}")
+        for t in given:
+            if t not in ("sliding_attention", "full_attention"):
+                raise UnsupportedModelError(f"{where}: layer type {short_repr(t)} is not supported")
+        return tuple("sliding" if t == "sliding_attention" else "full" for t in given)
+    if default == "none" or not isinstance(layers, int) or isinstance(layers, bool) or not 0 < layers <= 1 << 20:
+        return ()
+    if default == "alternate":  # Gemma 2: even layers slide
+        return tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
+    if default == "qwen":  # layers from max_window_layers on slide
+        first = hf.get("max_window_layers", layers)
+        first = first if isinstance(first, int) and not isinstance(first, bool) else layers
+        return tuple("sliding" if i >= first else "full" for i in range(layers))
+    return ("sliding",) * layers
+
+
+def _float_list(value: Any, key: str, where: str) -> tuple[float, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ModelFormatError(f"{where}: rope_parameters.{key} must be a list of numbers, got {short_repr(value)}")
+    return tuple(float(v) for v in value)
+
+
+def _rope_scaling(scaling: dict[str, Any], hf: dict[str, Any], max_positions: Any, where: str,
+                  unsupported) -> RopeScaling | None:
+    """transformers' RoPE parameters -> RopeScaling (None: plain RoPE)."""
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "su":  # Phi-3's old name
+        rope_type = "longrope"
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(f"{where}: unsupported RoPE scaling {short_repr(rope_type)} "
+                                    f"(supported: default, {', '.join(ROPE_TYPES)})")
+    unknown = sorted(k for k in scaling if k not in _ROPE_KEYS)
+    if unknown:
+        raise unsupported(f"RoPE parameter {short_repr(unknown[0])} (of {rope_type} scaling)")
+
+    def num(key: str, default: Any = None) -> Any:
+        value = scaling.get(key, default)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ModelFormatError(f"{where}: rope_parameters.{key} must be a number, got {short_repr(value)}")
+        return None if value is None else float(value)
+
+    original = hf.get("original_max_position_embeddings") if rope_type == "longrope" else None
+    original = original if original is not None else scaling.get("original_max_position_embeddings")
+    if rope_type in ("yarn", "longrope") and original is None:
+        original = max_positions
+    usable = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (original, max_positions))
+    factor = num("factor")
+    if factor is None and rope_type in ("yarn", "longrope") and usable:
+        factor = max_positions / original
+    kw: dict[str, Any] = dict(kind=rope_type, factor=1.0 if factor is None else factor,
+                              original_max_position_embeddings=original)
+    if rope_type == "llama3":
+        kw.update(low_freq_factor=num("low_freq_factor"), high_freq_factor=num("high_freq_factor"))
+    elif rope_type == "yarn":
+        attention = num("attention_factor")
+        mscale, mscale_all = num("mscale"), num("mscale_all_dim")
+        if attention is None and mscale and mscale_all and kw["factor"] > 0:
+            def m(scale: float, k: float) -> float:
+                return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+            attention = m(kw["factor"], mscale) / m(kw["factor"], mscale_all)
+        truncate = scaling.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ModelFormatError(f"{where}: rope_parameters.truncate must be true or false, got {short_repr(truncate)}")
+        kw.update(beta_fast=num("beta_fast") or 32.0, beta_slow=num("beta_slow") or 1.0, truncate=truncate,
+                  attention_factor=attention)
+    elif rope_type == "longrope":
+        kw.update(attention_factor=num("attention_factor"),
+                  short_factor=_float_list(scaling.get("short_factor"), "short_factor", where),
+                  long_factor=_float_list(scaling.get("long_factor"), "long_factor", where))
+    try:
+        return RopeScaling(**kw)
+    except TypeError as e:  # a value of the wrong kind where RopeScaling.check compares it
+        raise ModelFormatError(f"{where}: rope_parameters: {e}") from None
 
 
 def _safetensors_handles(path: Path) -> list[tuple[Path, Any, list[str]]]:
@@ -150,27 +297,48 @@ def _safetensors_handles(path: Path) -> list[tuple[Path, Any, list[str]]]:
     return handles
 
 
-def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path, Any, list[str]]]) -> dict[str, WeightRef]:
-    table = hf_to_canonical_table(cfg.architecture, cfg.num_layers)
+def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path, Any, list[str]]],
+                         quantized: bool = False) -> dict[str, WeightRef]:
+    """Canonical WeightRefs of the folder's tensors. A tensor no table entry names is refused
+    (the quantized parts of a wallbreaker-quantized folder are read by quantized_hf)."""
+    table = hf_to_canonical_table(cfg.architecture, cfg.num_layers, cfg.is_moe)
     weights: dict[str, WeightRef] = {}
+    experts: dict[str, dict[int, WeightRef]] = {}
     for file, handle, names in handles:
         for hf_name in names:
             name = table.get(hf_name)
-            if name is None:
-                continue
-            sl = handle.get_slice(hf_name)
-            dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(sl.get_dtype(), "float32"))
-            shape = tuple(sl.get_shape())
-            add_one = cfg.architecture == "gemma3" and is_norm(name)
-            weights[name] = WeightRef(name, shape, _DTYPE_NAMES.get(dtype, sl.get_dtype()),
-                                      _numel(shape) * dtype.itemsize,
-                                      _loader(handle, hf_name, add_one),
-                                      load_part=_part_loader(handle, hf_name, add_one))
+            expert = hf_expert(cfg.architecture, hf_name) if name is None and cfg.is_moe else None
+            if name is None and expert is None:
+                if is_derived(hf_name) or (quantized and hf_name.rsplit(".", 1)[-1] in QUANTIZED_PARTS):
+                    continue
+                raise ModelFormatError(f"{file.name}: tensor {hf_name!r} is not used by the {cfg.architecture} "
+                                       f"architecture; refusing to run the model without it")
+            ref = _tensor_ref(handle, hf_name, name or hf_name,
+                              cfg.architecture in GEMMA_ARCHITECTURES and name is not None and is_norm(name))
+            if expert is None:
+                weights[name] = ref
+            else:
+                experts.setdefault(expert[0], {})[expert[1]] = ref
+    for name, parts in experts.items():
+        missing = next(e for e in range(len(parts) + 1) if e not in parts)  # bounded by what is stored
+        if missing < min(len(parts), cfg.num_experts) or len(parts) != cfg.num_experts:
+            raise ModelFormatError(f"{path}: {name}: expert {missing} of the config's {cfg.num_experts} is missing"
+                                   if missing < cfg.num_experts else
+                                   f"{path}: {name}: {len(parts)} experts stored, the config says {cfg.num_experts}")
+        weights[name] = stacked_experts(name, [parts[e] for e in range(cfg.num_experts)])
     if cfg.tie_word_embeddings:
-        weights.pop("output.weight", None)
+        weights.pop("output.weight", None)  # tied: the embedding is the head, as transformers ties it
     elif "output.weight" not in weights:
         raise ModelFormatError(f"{path}: config says untied output head but lm_head.weight is missing")
     return weights
+
+
+def _tensor_ref(handle, hf_name: str, name: str, add_one: bool) -> WeightRef:
+    sl = handle.get_slice(hf_name)
+    dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(sl.get_dtype(), "float32"))
+    shape = tuple(sl.get_shape())
+    return WeightRef(name, shape, _DTYPE_NAMES.get(dtype, sl.get_dtype()), _numel(shape) * dtype.itemsize,
+                     _loader(handle, hf_name, add_one), load_part=_part_loader(handle, hf_name, add_one))
 
 
 def _loader(handle, hf_name: str, add_one: bool):

@@ -30,6 +30,7 @@ from .names import hf_to_canonical_table
 from .weights import WeightRef
 
 QUANT_METHOD = "wallbreaker"
+QUANTIZED_PARTS = frozenset({"qweight", "scales", "zeros", "g_idx"})  # the tensors of one quantized module
 MIN_BITS, MAX_BITS = 2, 8  # what QuantGrid and the packing support
 
 

@@ -59,23 +59,24 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads, head_dim]. The new tokens' K/V must already be written."""
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim]. The new tokens' K/V must already be written.
+    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax."""
     n = meta.num_paged_tokens
     if n == q.shape[0] and not meta.prefills:
-        return _paged(q, kv, meta, scale, sliding_window)
+        return _paged(q, kv, meta, scale, sliding_window, softcap)
     out = torch.empty_like(q)
     if n:
-        out[:n] = _paged(q[:n], kv, meta, scale, sliding_window)
+        out[:n] = _paged(q[:n], kv, meta, scale, sliding_window, softcap)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
-        out[rows] = _prefill(q[rows], kv, span, scale, sliding_window, meta.block_size)
+        out[rows] = _prefill(q[rows], kv, span, scale, sliding_window, meta.block_size, softcap)
     return out
 
 
-def _paged(q, kv: LayerKV, meta: AttentionMetadata, scale, sliding_window):
+def _paged(q, kv: LayerKV, meta: AttentionMetadata, scale, sliding_window, softcap):
     out = _C.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, meta.block_tables, meta.query_start,
-                             meta.context_lens, meta.block_size, scale, sliding_window or 0, 0.0)
+                             meta.context_lens, meta.block_size, scale, sliding_window or 0, softcap or 0.0)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -94,13 +95,13 @@ def _gathered(pages: torch.Tensor, scales: torch.Tensor | None, slots: torch.Ten
     return (x.float() * scales[:, slots, None]).to(torch.bfloat16)
 
 
-def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int):
+def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None):
     slots = _slots(span.block_table[: -(-span.context_len // block_size)], block_size)[: span.context_len]
     k = _gathered(kv.k, kv.k_scale, slots)[None]  # [1, kv_heads, ctx, head_dim]
     v = _gathered(kv.v, kv.v_scale, slots)[None]
     q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
     fresh = span.context_len == span.length
-    if fresh and (sliding_window is None or span.context_len <= sliding_window):
+    if softcap is None and fresh and (sliding_window is None or span.context_len <= sliding_window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(span.context_len - span.length, span.context_len, device=q.device)[:, None]
@@ -108,5 +109,19 @@ def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_siz
         mask = key_pos <= query_pos  # [L, ctx]
         if sliding_window is not None:
             mask &= (query_pos - key_pos) < sliding_window
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            out = _softcapped(q, k, v, mask, scale, softcap)
     return out[0].transpose(0, 1)
+
+
+def _softcapped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with the scores soft-capped (SDPA has no such step): [1, heads, L, head_dim]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [1, heads, ctx, head_dim]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [1, heads, L, ctx]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(weights, v)

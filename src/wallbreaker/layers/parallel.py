@@ -26,6 +26,21 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
+class AllReduce(nn.Module):
+    """The ranks' partial outputs summed (a mixture of experts' down projections, reduced once for
+    all experts); without tensor parallelism, the identity."""
+
+    def __init__(self, shard: Shard | None):
+        super().__init__()
+        self.group = None if shard is None else shard.group
+        self.enabled = shard is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
 class VocabParallelEmbedding(nn.Module):
     """A slice of the embedding rows: each rank looks up the ids it holds, zeros for the others,
     and one all-reduce assembles the full embeddings."""

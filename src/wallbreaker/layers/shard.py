@@ -4,6 +4,8 @@ Attention is split by whole heads, KV heads first: a rank holds a run of KV head
 query heads that read them, so grouped-query attention stays uniform on every rank. With fewer KV
 heads than ranks, each KV head is held by several ranks (replicated, as vLLM does) and its query
 heads are divided among them. Splits need not be even (SmolLM2's 3 KV heads over 2 ranks: 2 + 1).
+Experts are split as a dense MLP is, every rank holding its share of every expert's FFN columns
+(the router is replicated; the experts' partial sums take one all-reduce for all of them).
 Everything else is an even split, on 32-column boundaries where possible so that the 32-weight GGUF
 blocks are never cut (a cut block is requantized to Q8_0 at load); the vocabulary is split in equal
 chunks (the last may be short) so that every rank's logits pad to one width for the gather.
@@ -83,7 +85,7 @@ def check_splittable(cfg: ModelConfig, world_size: int) -> None:
     """Raises a clear error, before any process starts, if `cfg` cannot run on `world_size` ranks."""
     for rank in range(world_size):
         head_shard(cfg.num_heads, cfg.num_kv_heads, rank, world_size)
-    if cfg.intermediate_size < world_size or cfg.vocab_size < world_size:
+    if cfg.intermediate_size < world_size or cfg.vocab_size < world_size or cfg.expert_ffn < world_size:
         raise InvalidRequestError(f"tensor_parallel_size={world_size} exceeds the model's MLP or vocabulary size")
 
 

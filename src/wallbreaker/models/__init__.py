@@ -11,7 +11,10 @@ from .gemma3 import Gemma3CausalLM
 from .llama import LlamaCausalLM
 from .source import WeightSource
 
-_ARCHITECTURES: dict[str, type[CausalLM]] = {"llama": LlamaCausalLM, "qwen2": LlamaCausalLM, "gemma3": Gemma3CausalLM}
+_ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "llama": LlamaCausalLM, "qwen2": LlamaCausalLM, "qwen3": LlamaCausalLM, "qwen3moe": LlamaCausalLM,
+    "phi3": LlamaCausalLM, "gemma2": Gemma3CausalLM, "gemma3": Gemma3CausalLM,
+}  # mixtures of experts (Mixtral is llama, Qwen3-MoE qwen3moe) swap the MLP: models/moe.py
 
 
 def build_model(config: ModelConfig, source: WeightSource) -> CausalLM:

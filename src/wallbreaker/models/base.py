@@ -34,6 +34,7 @@ class CausalLM(nn.Module):
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None
         self.layers = nn.ModuleList(self.layer_class(cfg, i, src) for i in range(cfg.num_layers))
         self.norm = rms_norm(src, "output_norm.weight", cfg.rms_norm_eps)
+        self.final_softcap = cfg.final_logit_softcap
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] float32: what the first layer receives (the residual stream is float32
@@ -51,7 +52,10 @@ class CausalLM(nn.Module):
         return self.norm.add_and_norm(h, delta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [B, vocab]
+        logits = self.lm_head(hidden).float()  # [B, vocab]
+        if self.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def attention_layers(self) -> list[nn.Module]:
         return [layer.attn for layer in self.layers]

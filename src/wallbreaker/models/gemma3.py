@@ -1,6 +1,7 @@
-"""Gemma 3: sandwich norms around attention and MLP, GeGLU, QK-norm, scaled embeddings,
-and sliding-window layers (with their own RoPE base) between global ones. The config carries
-the switches; this file only changes the shape of the block."""
+"""Gemma 2 and 3: sandwich norms around attention and MLP, GeGLU, scaled embeddings, and
+sliding-window layers between global ones; Gemma 2 soft-caps the attention scores and the final
+logits, Gemma 3 has QK-norm and its sliding layers their own RoPE base. The config carries the
+switches; this file only changes the shape of the block."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,7 @@ from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
 from ..layers.direct import DirectModule
 from .base import CausalLM, rms_norm
-from .llama import MLP, Attention
+from .llama import Attention, feed_forward
 from .source import WeightSource
 
 
@@ -21,7 +22,7 @@ class Gemma3DecoderLayer(DirectModule):
         self.attn = Attention(cfg, layer, src)
         self.post_attn_norm = rms_norm(src, p + "post_attention_norm.weight", eps)
         self.mlp_norm = rms_norm(src, p + "ffn_norm.weight", eps)
-        self.mlp = MLP(cfg, layer, src)
+        self.mlp = feed_forward(cfg, layer, src)
         self.post_mlp_norm = rms_norm(src, p + "post_ffw_norm.weight", eps)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata,

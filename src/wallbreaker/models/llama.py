@@ -1,10 +1,14 @@
-"""The Llama family (Llama, SmolLM2, Qwen2): pre-norm decoder, GQA, rotate-half RoPE, SwiGLU.
+"""The Llama family: pre-norm decoder, GQA, rotate-half RoPE, SwiGLU. Llama (2, 3.x with its RoPE
+scaling), SmolLM2, Mistral (a sliding window), Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm) and Phi-3
+(whose fused q/k/v and gate/up the loaders present as the separate projections) are all this block.
 
-Gemma 3 (gemma3.py) reuses these pieces and changes the block around them.
+Gemma 2 and 3 (gemma3.py) reuse these pieces and change the block around them; Mixtral and
+Qwen3-MoE (moe.py) replace the MLP by a mixture of experts.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .. import _C
 from ..config import ModelConfig
@@ -32,10 +36,12 @@ class Attention(DirectModule):
         self.k_norm = rms_norm(src, p + "attn_k_norm.weight", cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qk_norm = cfg.qk_norm
         sliding = cfg.is_sliding(layer)
-        theta = cfg.rope_local_theta if sliding and cfg.rope_local_theta else cfg.rope_theta
-        self.rope = RotaryEmbedding(cfg.head_dim, theta, 1.0 if sliding else cfg.rope_scaling_factor)
+        local = sliding and cfg.rope_local_theta is not None  # Gemma 3's sliding layers: their own plain RoPE
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta if local else cfg.rope_theta,
+                                    None if local else cfg.rope_scaling)
         self.sliding_window = cfg.sliding_window if sliding else None
         self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_logit_softcap
         self.kv: LayerKV | None = None  # this layer's pages in the KV pool, bound by the runner
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -44,7 +50,7 @@ class Attention(DirectModule):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else _NO_QK_NORM
         q = _rope_write_kv(self.qkv(x), cos, sin, kv.k, kv.v, meta.slot_mapping, self.num_heads, self.num_kv_heads,
                            *norms, kv.k_scale, kv.v_scale)  # [T, heads, head_dim]; K/V are in the cache
-        return self.o(paged_attention(q, kv, meta, self.scale, self.sliding_window).flatten(1))
+        return self.o(paged_attention(q, kv, meta, self.scale, self.sliding_window, self.softcap).flatten(1))
 
 
 class MLP(DirectModule):
@@ -69,12 +75,20 @@ class DecoderLayer(DirectModule):
         self.attn_norm = rms_norm(src, p + "attn_norm.weight", cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer, src)
         self.mlp_norm = rms_norm(src, p + "ffn_norm.weight", cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer, src)
+        self.mlp = feed_forward(cfg, layer, src)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata,
                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.attn(self.attn_norm.add_and_norm(h, delta), meta)
         return h, self.mlp(self.mlp_norm.add_and_norm(h, attn))
+
+
+def feed_forward(cfg: ModelConfig, layer: int, src: WeightSource) -> nn.Module:
+    """The layer's MLP, or its mixture of experts."""
+    if cfg.is_moe:
+        from .moe import SparseMoE
+        return SparseMoE(cfg, layer, src)
+    return MLP(cfg, layer, src)
 
 
 class LlamaCausalLM(CausalLM):

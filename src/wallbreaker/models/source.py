@@ -62,20 +62,52 @@ class WeightSource:
         Under tensor parallelism, "column" keeps this rank's output rows and "row" its input columns
         (the ranks' partial products then summed); `slices[i]` is the range of names[i] it keeps,
         an even share by default."""
-        refs = [self.weights[n] for n in names]
+        return self.linear_of([self.weights[n] for n in names], [self.weights[n] for n in bias_names or []],
+                              parallel, slices)
+
+    def linear_of(self, refs: list[WeightRef], bias_refs: list[WeightRef] | None = None,
+                  parallel: Literal["column", "row"] | None = None, slices: list[range] | None = None,
+                  reduce: bool = True) -> nn.Module:
+        """`linear` of the tensors themselves (an expert's, which have no name of their own).
+        `reduce=False`: a row-parallel layer's partial product is left for the caller to sum."""
         if self.shard is None or parallel is None:
-            bias = torch.cat([self.weights[n].load() for n in bias_names]) if bias_names else None
+            bias = torch.cat([r.load() for r in bias_refs]) if bias_refs else None
             return self._fused([self._segment(r) for r in refs], refs[0].shape[1], bias)
         dim = 0 if parallel == "column" else 1
         slices = slices or [self.shard.split(r.shape[dim]) for r in refs]
         segments = [self._segment(r, dim, s.start, s.stop) for r, s in zip(refs, slices)]
         if parallel == "column":
-            bias = torch.cat([self.weights[n].load_slice(0, s.start, s.stop) for n, s in zip(bias_names, slices)]) \
-                if bias_names else None
+            bias = torch.cat([r.load_slice(0, s.start, s.stop) for r, s in zip(bias_refs, slices)]) \
+                if bias_refs else None
             return self._fused(segments, refs[0].shape[1], bias)
+        inner = self._fused(segments, len(slices[0]), None)
+        if not reduce:
+            return inner
         from ..layers.parallel import RowParallelLinear
-        bias = torch.cat([self.weights[n].load() for n in bias_names]).to(self.dtype) if bias_names else None
-        return RowParallelLinear(self._fused(segments, len(slices[0]), None), bias, self.shard)
+        bias = torch.cat([r.load() for r in bias_refs]).to(self.dtype) if bias_refs else None
+        return RowParallelLinear(inner, bias, self.shard)
+
+    def experts(self, prefix: str) -> tuple[list[nn.Module], list[nn.Module]]:
+        """Each expert's fused gate|up and its down projection, from `<prefix>ffn_{gate,up,down}_exps.weight`
+        ([experts, out, in]). Packed, each is a QuantLinear over its expert's rows of the stored
+        tensor. Under tensor parallelism every rank holds every expert's share of the FFN columns
+        (split as a dense MLP is); the down projections' partial sums are left to the caller, which
+        reduces them once for all experts."""
+        gate, up, down = (self.weights[f"{prefix}ffn_{x}_exps.weight"] for x in ("gate", "up", "down"))
+        gate_up, downs = [], []
+        for g, u, d in zip(gate.experts, up.experts, down.experts):
+            gate_up.append(self.linear_of([g, u], parallel="column"))
+            downs.append(self.linear_of([d], parallel="row", reduce=False))
+        return gate_up, downs
+
+    def router(self, name: str) -> Linear:
+        """A mixture's router, float32 on every path (which experts run must not depend on rounding)."""
+        return Linear(self.weights[name].load().float())
+
+    def all_reduce(self) -> nn.Module:
+        """The sum across ranks of a tensor-parallel layer's partial outputs (identity without)."""
+        from ..layers.parallel import AllReduce
+        return AllReduce(self.shard)
 
     def _segment(self, ref: WeightRef, dim: int | None = None, lo: int = 0, hi: int = 0) -> tuple[Segment, T | None]:
         whole = dim is None or (lo, hi) == (0, ref.shape[dim])

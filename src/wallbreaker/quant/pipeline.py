@@ -98,6 +98,9 @@ def quantize_model(llm, cfg: QuantizeConfig, progress: bool = True, keep_rtn_sou
     """Quantize `llm` (an `LLM` loaded with dtype="float32") in place and return the result."""
     model = llm.model
     mc: ModelConfig = llm.model_config
+    if mc.is_moe or mc.architecture == "phi3":
+        raise InvalidRequestError(f"quantize does not support {'mixtures of experts' if mc.is_moe else 'phi3'} "
+                                  "(fused or expert tensors); quantize with llama.cpp, whose GGUF files load here")
     names = [name for i in range(mc.num_layers) for g in linear_groups(model, i) for name, _, _ in g.parts]
     plan = dict.fromkeys(names, int(cfg.bits))
     quantized: dict[str, QuantizedTensor] = {}

@@ -1,0 +1,55 @@
+"""Mixture of experts (Mixtral, Qwen3-MoE): the MLP of the Llama block replaced by a softmax router
+over `num_experts` SwiGLU experts, of which each token runs the top `num_experts_per_tok`, their
+outputs summed weighted by the router's probabilities (renormalized over the chosen ones with
+`norm_topk_prob`, as Mixtral always does).
+
+Dispatch is batched by expert: the (token, slot) pairs are sorted by expert once, and each expert
+that was chosen runs one matmul over all of its tokens, so the Python loop is over experts, never
+tokens. Quantized experts stay packed: one QuantLinear per expert over its rows of the stored
+[experts, out, in] tensor (models/source.py)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import _C
+from ..config import ModelConfig
+from .source import WeightSource
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
+        super().__init__()
+        p = f"blk.{layer}."
+        self.router = src.router(p + "ffn_gate_inp.weight")  # [experts, hidden], float32
+        gate_up, down = src.experts(p)
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.act = cfg.hidden_act
+        self.reduce = src.all_reduce()  # tensor parallelism: every expert's partial sums, reduced once
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, experts [T, k]): transformers' router."""
+        probs = torch.softmax(self.router(x.float()), dim=-1)  # [T, experts]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.flatten()  # [T * k]: token t's j-th choice at t * k + j
+        order = torch.argsort(flat, stable=True)  # the pairs grouped by expert, tokens ascending
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync a layer
+        pair_weights = weights.flatten()
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            tokens = pairs // self.top_k
+            h = self.down[e](_C.gated_act(self.gate_up[e](x[tokens]), self.act))  # [n, hidden]
+            out.index_add_(0, tokens, h.float() * pair_weights[pairs, None])
+        return self.reduce(out)
