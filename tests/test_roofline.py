@@ -65,6 +65,27 @@ def test_an_untied_embedding_table_is_read_by_rows(tiny_llama):
                               if type(m).__name__ == "Linear")
 
 
+def test_a_mixture_of_experts_reads_only_its_active_experts(tiny_of):
+    """Qwen3-MoE's 2 of 4 experts: half the expert bytes at batch 1, all of them for a large batch;
+    each token multiplies half the expert weights."""
+    llm = LLM(str(tiny_of("qwen3moe").gguf_path), dtype="float32", max_num_seqs=2)
+    cost = decode_cost_of(llm.model, torch.float32)
+    experts = [e for layer in llm.model.layers for e in (*layer.mlp.gate_up, *layer.mlp.down)]
+    assert cost.experts == (4, 2) and cost.expert_bytes == sum(module_bytes(e) for e in experts) > 0
+    assert cost.bytes_per_step(1, 0) == pytest.approx(cost.weight_bytes - cost.expert_bytes / 2 + cost.row_bytes)
+    assert cost.weights_read(64) == pytest.approx(cost.weight_bytes)
+    expert_params = sum(e.weight.numel() for e in experts)
+    assert cost.params == pytest.approx(sum(m.weight.numel() for m in llm.model.modules()
+                                            if type(m).__name__ == "Linear") - expert_params / 2)
+
+
+def test_inspect_shows_experts_and_the_bytes_a_token_reads(tiny_of):
+    info = json.loads(run_cli("inspect", str(tiny_of("qwen3moe").gguf_path), "--json").stdout)
+    assert (info["experts"], info["experts_active_per_token"]) == (4, 2)
+    assert info["weight_bytes_read_per_token"] == pytest.approx(
+        info["weight_bytes_stored"] - info["expert_bytes_stored"] / 2 - 512 * 64 * 4, rel=1e-9)  # the untied table: by rows
+
+
 def test_the_bound_grows_with_batch_and_falls_with_context(tiny_llama):
     llm = LLM(str(tiny_llama.gguf_path), max_num_seqs=2)
     cost = llm_cost(llm)

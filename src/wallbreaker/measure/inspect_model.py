@@ -38,6 +38,10 @@ def describe(model: str | None, json_output: bool = False) -> str:
         "kv_bytes_per_token_float32": kv_f32, "kv_bytes_per_token": kv_by_dtype,
         "bytes_read_per_decoded_token": {f"context {n}": stored.bytes_per_step(1, n) for n in (1, 512, 4096)},
     }
+    if cfg.is_moe:
+        info.update(experts=cfg.num_experts, experts_active_per_token=cfg.num_experts_per_tok,
+                    expert_intermediate_size=cfg.expert_ffn, expert_bytes_stored=stored.expert_bytes,
+                    weight_bytes_read_per_token=stored.weights_read(1))
     bandwidth = stored_bandwidth()
     if bandwidth:
         info["decode_bound_tokens_per_s"] = _bounds(files, bandwidth)
@@ -49,10 +53,15 @@ def describe(model: str | None, json_output: bool = False) -> str:
              f"  vocabulary     {cfg.vocab_size}, context {cfg.max_position_embeddings}, RoPE base {cfg.rope_theta:g}, "
              f"{'tied' if cfg.tie_word_embeddings else 'separate'} output head",
              f"  tensors        {len(files.weights)}, {weight_bytes / 1e6:.1f} MB as stored"]
+    if cfg.is_moe:
+        lines.insert(2, f"  experts        {cfg.num_experts}, {cfg.num_experts_per_tok} active per token, FFN "
+                        f"{cfg.expert_ffn}: {stored.expert_bytes / 1e6:.1f} MB, of which a token reads "
+                        f"{stored.expert_bytes * stored.active_share / 1e6:.1f} MB")
     for t, count in by_type.most_common():
         lines.append(f"    {t:<6} {count:4d} tensors  {bytes_by_type[t] / 1e6:9.1f} MB")
     lines.append("  KV cache       bytes per token: " + ", ".join(f"{b:,} ({name})" for name, b in kv_by_dtype.items()))
-    lines.append("  read per decoded token (weights once + KV of the context in bfloat16, batch 1):")
+    lines.append("  read per decoded token (weights once, active experts only, + KV of the context in bfloat16, batch 1):"
+                 if cfg.is_moe else "  read per decoded token (weights once + KV of the context in bfloat16, batch 1):")
     for label, b in info["bytes_read_per_decoded_token"].items():
         lines.append(f"    {label:<13} {b / 1e6:9.1f} MB")
     if bandwidth:

@@ -10,6 +10,10 @@ output head), and the K/V of every sequence's context in the cache dtype. It com
 
 and decoding turns compute-bound at the batch where the two meet. Speculative decoding can pass
 the memory bound (several tokens per weight read): a `roofline_fraction` above 1 means it did.
+
+A mixture of experts reads only the experts its tokens chose: a step of B tokens reads the share
+1 - (1 - k/E)^B of the expert weights (k of E experts per token, routed independently and evenly:
+k/E at batch 1, nearly all of them at large batches), and each token multiplies k/E of them.
 """
 from __future__ import annotations
 
@@ -51,13 +55,26 @@ class DecodeCost:
     matmul_params: dict[str, int]  # matmul kernel kind -> weights multiplied per token
     attn_flops_per_layer_position: int
     attn_kind: str  # the kernel kind whose FLOP/s attention gets
+    expert_bytes: int = 0  # the part of weight_bytes that is experts
+    experts: tuple[int, int] = (0, 0)  # experts in all, experts active per token
+
+    @property
+    def active_share(self) -> float:
+        """The share of the experts one token runs (1 without experts)."""
+        total, active = self.experts
+        return active / total if total else 1.0
+
+    def weights_read(self, batch: int) -> float:
+        """Weight bytes a step of `batch` tokens reads: every dense weight, the chosen experts'."""
+        touched = 1.0 - (1.0 - self.active_share) ** batch
+        return self.weight_bytes - self.expert_bytes + self.expert_bytes * touched
 
     def kv_bytes(self, context: int) -> int:
         """K/V bytes one sequence reads at this context length."""
         return self.kv_bytes_per_layer_position * attended_positions(self.layer_windows, context)
 
-    def bytes_per_step(self, batch: int, context: int) -> int:
-        return self.weight_bytes + batch * (self.row_bytes + self.kv_bytes(context))
+    def bytes_per_step(self, batch: int, context: int) -> float:
+        return self.weights_read(batch) + batch * (self.row_bytes + self.kv_bytes(context))
 
     def bytes_per_token(self, batch: int, context: int) -> float:
         return self.bytes_per_step(batch, context) / batch
@@ -97,7 +114,8 @@ class DecodeCost:
 
     def crossover_batch(self, bandwidth: float, flops: dict[str, float], context: int) -> float | None:
         """The batch at which the memory bound reaches the compute bound (None: never, the K/V reads
-        of each extra sequence cost more time than its FLOPs)."""
+        of each extra sequence cost more time than its FLOPs). Experts count in full: by the
+        crossover batch nearly every one is read."""
         compute = self.compute_bound(flops, context)
         if compute is None:
             return None
@@ -110,26 +128,29 @@ def _tensors(module: nn.Module) -> dict[int, torch.Tensor]:
     return {t.data_ptr(): t for t in list(module.parameters()) + list(module.buffers())}
 
 
-def _matmul_params(model: nn.Module) -> dict[str, int]:
-    params: dict[str, int] = {}
+def _matmul_params(model: nn.Module, share: float = 1.0, experts: set[int] | None = None) -> dict[str, float]:
+    """Weights multiplied per token, by kernel kind; a module in `experts` (ids) counts `share` of its own."""
+    params: dict[str, float] = {}
     for m in model.modules():
+        weight = share if experts and id(m) in experts else 1.0
         if isinstance(m, QuantLinear):
             for rows, qtype in zip(m.rows, m.qtypes):
                 kind = quant_kind(qtype)
-                params[kind] = params.get(kind, 0) + rows * m.in_features
+                params[kind] = params.get(kind, 0) + weight * rows * m.in_features
             continue
         if isinstance(m, Linear):
             kind, n = _FLOAT_KINDS.get(m.weight.dtype, "float32"), m.weight.numel()
         else:
             continue
-        params[kind] = params.get(kind, 0) + n
+        params[kind] = params.get(kind, 0) + weight * n
     return params
 
 
 def model_cost(cfg: "ModelConfig", weight_bytes: int, table_bytes: int, kv_dtype: torch.dtype,
-               matmul_params: dict[str, int] | None = None) -> DecodeCost:
+               matmul_params: dict[str, float] | None = None, expert_bytes: int = 0) -> DecodeCost:
     """The cost of a decode step of a model of `cfg` whose weights take `weight_bytes`, of which
-    `table_bytes` are an embedding table read by rows (0: none, or a tied table read whole as the head)."""
+    `table_bytes` are an embedding table read by rows (0: none, or a tied table read whole as the head)
+    and `expert_bytes` experts."""
     return DecodeCost(
         weight_bytes=weight_bytes - table_bytes,
         row_bytes=table_bytes // cfg.vocab_size,
@@ -138,7 +159,15 @@ def model_cost(cfg: "ModelConfig", weight_bytes: int, table_bytes: int, kv_dtype
         matmul_params=matmul_params or {},
         attn_flops_per_layer_position=4 * cfg.num_heads * cfg.head_dim,
         attn_kind=_FLOAT_KINDS.get(kv_dtype, "float32"),
+        expert_bytes=expert_bytes,
+        experts=(cfg.num_experts, cfg.num_experts_per_tok),
     )
+
+
+def _expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Every expert's projections (models/moe.py's SparseMoE.gate_up and .down)."""
+    from ..models.moe import SparseMoE
+    return [e for m in model.modules() if isinstance(m, SparseMoE) for e in (*m.gate_up, *m.down)]
 
 
 def decode_cost_of(model: nn.Module, kv_dtype: torch.dtype) -> DecodeCost:
@@ -147,7 +176,13 @@ def decode_cost_of(model: nn.Module, kv_dtype: torch.dtype) -> DecodeCost:
     head_tensors = _tensors(head) if head is not None else {}
     gathered = [t for ptr, t in _tensors(embed).items() if ptr not in head_tensors] if embed is not None else []
     table_bytes = sum(t.numel() * t.element_size() for t in gathered)
-    return model_cost(model.config, module_bytes(model), table_bytes, kv_dtype, _matmul_params(model))
+    cfg = model.config
+    experts = _expert_modules(model)
+    ids = {id(sub) for e in experts for sub in e.modules()}
+    share = cfg.num_experts_per_tok / cfg.num_experts if cfg.is_moe else 1.0
+    expert_bytes = sum(module_bytes(e) for e in experts)
+    return model_cost(cfg, module_bytes(model), table_bytes, kv_dtype, _matmul_params(model, share, ids),
+                      expert_bytes)
 
 
 _COSTS: "weakref.WeakKeyDictionary[nn.Module, dict[torch.dtype, DecodeCost]]" = weakref.WeakKeyDictionary()
@@ -171,7 +206,8 @@ def stored_decode_cost(files: "ModelFiles", kv_dtype: torch.dtype) -> DecodeCost
     cfg = files.config
     table = files.weights.get("token_embd.weight")
     untied = table.nbytes if table is not None and not cfg.tie_word_embeddings else 0
-    return model_cost(cfg, files.weight_bytes, untied, kv_dtype)
+    experts = sum(w.nbytes for name, w in files.weights.items() if name.endswith("_exps.weight"))
+    return model_cost(cfg, files.weight_bytes, untied, kv_dtype, expert_bytes=experts)
 
 
 # -- the stored machine profile --------------------------------------------------------------------

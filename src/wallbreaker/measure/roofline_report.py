@@ -62,7 +62,10 @@ def machine_lines(profile: MachineProfile) -> list[str]:
 
 def cost_lines(cost: DecodeCost, bandwidth: float, flops: dict[str, float] | None) -> tuple[list[str], dict]:
     kv_per_pos = cost.kv_bytes(1)
-    lines = [f"A decode step reads {cost.weight_bytes / 1e6:.1f} MB of weights (resident form, once per step)"
+    total, active = cost.experts
+    moe = (f" ({cost.expert_bytes / 1e6:.1f} MB of them experts, {active} of {total} active per token: "
+           f"{cost.weights_read(1) / 1e6:.1f} MB read at batch 1)") if total else ""
+    lines = [f"A decode step reads {cost.weight_bytes / 1e6:.1f} MB of weights{moe} (resident form, once per step)"
              + (f" + {cost.row_bytes:,} bytes per embedding row gathered" if cost.row_bytes else "")
              + f" + {kv_per_pos:,} bytes of K/V per sequence per context position.", "",
              "Bytes read per decoded token, MB (a step's bytes / batch):"]
@@ -128,6 +131,7 @@ def run(args: argparse.Namespace, options: dict) -> int:
     more, bounds = cost_lines(cost, bandwidth, flops)
     lines += more
     report.update(model=str(llm.files.path), dtype=llm.config.dtype, weight_bytes=cost.weight_bytes,
+                  expert_bytes=cost.expert_bytes, weight_bytes_read_batch_1=cost.weights_read(1),
                   row_bytes=cost.row_bytes, kv_bytes_per_position=cost.kv_bytes(1), **bounds)
     if measured:
         context = args.prompt_tokens + measured["decode_tokens"] // 2
