@@ -19,9 +19,14 @@ def prompts_of_mixed_lengths(llm: LLM, count: int, seed: int = 0) -> list[list[i
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))] for _ in range(count)]
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tiny_of):
+    return tiny_of(request.param)
+
+
 @pytest.fixture(scope="module")
-def model_dir(tiny_llama):
-    return str(tiny_llama.hf_dir)
+def model_dir(tiny):
+    return str(tiny.hf_dir)
 
 
 def make_llm(model_dir, **kw) -> LLM:
@@ -149,9 +154,9 @@ def transformers_beam_search(model, prompt: list[int], width: int, steps: int) -
     return [s[len(prompt):].tolist() for s in out.sequences], (out.sequences_scores * steps).tolist()
 
 
-def test_beam_search_matches_transformers_and_shares_blocks(tiny_llama, model_dir):
+def test_beam_search_matches_transformers_and_shares_blocks(tiny, model_dir):
     llm = make_llm(model_dir, kv_block_size=4)
-    hf = tiny_llama.load_hf()
+    hf = tiny.load_hf()
     used: list[int] = []
     forward = llm.engine.forward
 

@@ -30,7 +30,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[len(ids):]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def tiny(request):
     return request.getfixturevalue(f"tiny_{request.param}")
 

@@ -18,15 +18,20 @@ from wallbreaker.spec_decode.ngram import propose_ngram
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def target(tiny_llama):
-    return str(tiny_llama.hf_dir)
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_target(request, tiny_of):
+    return tiny_of(request.param)
 
 
 @pytest.fixture(scope="module")
-def poor_draft(tmp_path_factory):
+def target(tiny_target):
+    return str(tiny_target.hf_dir)
+
+
+@pytest.fixture(scope="module")
+def poor_draft(tiny_target, tmp_path_factory):
     """Same architecture and tokenizer, different random weights: a draft that is often wrong."""
-    return str(make_tiny_model("llama", tmp_path_factory.mktemp("draft"), seed=1).hf_dir)
+    return str(make_tiny_model(tiny_target.arch, tmp_path_factory.mktemp("draft"), seed=1).hf_dir)
 
 
 def prompts(seed: int = 0) -> list[dict]:
@@ -168,9 +173,9 @@ def sample_second_tokens(model: str, draft: str | None, prompt: list[int], n: in
 
 
 @pytest.fixture(scope="module")
-def distribution_case(tiny_llama, target):
+def distribution_case(tiny_target):
     prompt = [17, 42, 99, 7]
-    return prompt, exact_second_token_distribution(tiny_llama.load_hf(), prompt, top_k=6)
+    return prompt, exact_second_token_distribution(tiny_target.load_hf(), prompt, top_k=6)
 
 
 N_SAMPLES = 1500

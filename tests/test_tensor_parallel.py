@@ -122,6 +122,16 @@ def test_two_ranks_give_the_same_tokens_and_logits(arch, request):
     assert_same_as_one_process(tiny.gguf_path, 2)
 
 
+def test_experts_split_by_columns_give_the_same_tokens_and_logits(tiny_of):
+    """Every rank holds its share of every expert's FFN columns; one all-reduce sums the experts."""
+    assert_same_as_one_process(tiny_of("qwen3moe").gguf_path, 2)
+
+
+@pytest.mark.slow
+def test_mixtral_folder_splits_its_experts(tiny_of):
+    assert_same_as_one_process(tiny_of("mixtral").hf_dir, 2)
+
+
 def test_hugging_face_folder_loads_in_slices(tiny_qwen2):
     assert_same_as_one_process(tiny_qwen2.hf_dir, 2)
 
