@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import httpx
 import jsonschema
@@ -147,20 +148,28 @@ def test_invalid_schema_regex_or_grammar_is_400_naming_the_problem(client, const
 
 def test_a_schema_past_the_compile_limit_and_an_invalid_one_are_400_while_four_streams_go_on(tiny_llama):
     """Acceptance 4: compilation runs off the engine thread, bounded in time; the four streams that
-    run meanwhile give exactly what they give alone."""
+    run meanwhile give exactly what they give alone. The tiny model writes a hundred tokens in a
+    few tens of milliseconds, faster than the two bad requests are answered, so while the streams
+    run each engine step waits 3 ms more (480 steps: at least 1.4 s), and both bad requests go only
+    once all four streams have sent text."""
     app = make_app(tiny_llama.gguf_path, max_model_len=512, max_num_seqs=8, port=free_port(),
                    grammar_compile_timeout=0.05)
     slow = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},9}}x{i}$"}
                                              for i in range(6400)}}
-    streams = [{"prompt": p, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+    streams = [{"prompt": p, "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
                for p in ("Hello", "The quick", "Once upon", "Numbers:")]
     with running_server(app) as url:
         alone = [_streamed_text(url, {**s, "stream": False}) for s in streams]
+        engine = app.state.server.llm.engine
+        step = engine.step
+        engine.step = lambda: time.sleep(0.003) or step()
         results: dict[int, str] = {}
-        threads = [threading.Thread(target=lambda i=i, s=s: results.__setitem__(i, _streamed_text(url, s)))
+        started = [threading.Event() for _ in streams]
+        threads = [threading.Thread(target=lambda i=i, s=s: results.__setitem__(i, _streamed_text(url, s, started[i])))
                    for i, s in enumerate(streams)]
         for t in threads:
             t.start()
+        assert all(e.wait(60) for e in started)
         too_slow = httpx.post(f"{url}/v1/completions", timeout=60,
                               json={"prompt": "Hi", "structured_outputs": {"json": slow}})
         invalid = httpx.post(f"{url}/v1/chat/completions", timeout=60,
@@ -174,14 +183,18 @@ def test_a_schema_past_the_compile_limit_and_an_invalid_one_are_400_while_four_s
     assert [results[i] for i in range(4)] == alone
 
 
-def _streamed_text(url: str, body: dict) -> str:
+def _streamed_text(url: str, body: dict, started: threading.Event | None = None) -> str:
+    """The text of a completion; streamed, `started` is set at its first text."""
     if not body.get("stream"):
         return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
     text = ""
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"] if json.loads(line[6:])["choices"] else ""
+                chunk = json.loads(line[6:])
+                text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+                if text and started is not None:
+                    started.set()
     return text
 
 
