@@ -95,11 +95,7 @@ class StructuredOutputsParams:
         """A StructuredOutputsParams from itself, a dict of its fields, or that dict as JSON text (a CLI flag)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                _fail(f"structured_outputs is not valid JSON: {e}")
+        value = _from_json_text(value, "structured_outputs")
         if not isinstance(value, dict):
             _fail(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
         fields = set(cls.__dataclass_fields__)
@@ -207,28 +203,41 @@ def _fail(message: str) -> NoReturn:
     raise InvalidRequestError(message)
 
 
+def _from_json_text(value: object, name: str) -> object:
+    """A value given as JSON text (a CLI flag) parsed; any other value as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        _fail(f"{name} is not valid JSON: {e}")
+
+
 def _check_int(name: str, value: object) -> None:
     if not _is_int(value):
         _fail(f"{name} must be an int, got {type(value).__name__}")
 
 
+def _strings(value: object, name: str, max_items: int, max_chars: int) -> list[str]:
+    """A string or a list of strings, checked: non-empty, at most `max_items` of at most `max_chars`."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        _fail(f"{name} must be a string or a list of strings, got {type(value).__name__}")
+    if len(value) > max_items:
+        _fail(f"{name} holds {len(value)} strings; at most {max_items} are allowed")
+    for v in value:
+        if not isinstance(v, str):
+            _fail(f"{name} strings must be strings, got {type(v).__name__}")
+        if not v:
+            _fail(f"{name} strings must be non-empty")
+        if len(v) > max_chars:
+            _fail(f"{name} strings may have at most {max_chars} characters; one has {len(v)}")
+    return list(value)
+
+
 def _normalize_stop(stop: object) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)):
-        _fail(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-    if len(stop) > MAX_STOP_STRINGS:
-        _fail(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
-    for s in stop:
-        if not isinstance(s, str):
-            _fail(f"stop strings must be strings, got {type(s).__name__}")
-        if not s:
-            _fail("stop strings must be non-empty")
-        if len(s) > MAX_STOP_STRING_CHARS:
-            _fail(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters; one has {len(s)}")
-    return list(stop)
+    return [] if stop is None else _strings(stop, "stop", MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
 
 
 def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
@@ -236,11 +245,7 @@ def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
     mapping as JSON text (a CLI flag)."""
     if bias is None:
         return None
-    if isinstance(bias, str):
-        try:
-            bias = json.loads(bias)
-        except ValueError as e:
-            _fail(f"logit_bias is not valid JSON: {e}")
+    bias = _from_json_text(bias, "logit_bias")
     if not isinstance(bias, dict):
         _fail(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
     out: dict[int, float] = {}
@@ -257,15 +262,7 @@ def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
 def _normalize_bad_words(words: object) -> list[str] | None:
     if words is None:
         return None
-    if isinstance(words, str):
-        words = [words]
-    if not isinstance(words, (list, tuple)):
-        _fail(f"bad_words must be a list of strings, got {type(words).__name__}")
-    if len(words) > MAX_BAD_WORDS:
-        _fail(f"bad_words holds {len(words)} words; at most {MAX_BAD_WORDS} are allowed")
-    for w in words:
-        if not isinstance(w, str) or not w.strip():
-            _fail("bad_words must be non-empty strings")
-        if len(w) > MAX_BAD_WORD_CHARS:
-            _fail(f"bad_words may have at most {MAX_BAD_WORD_CHARS} characters each; one has {len(w)}")
-    return list(words) or None
+    words = _strings(words, "bad_words", MAX_BAD_WORDS, MAX_BAD_WORD_CHARS)
+    if any(not w.strip() for w in words):
+        _fail("bad_words strings must not be blank")
+    return words or None
