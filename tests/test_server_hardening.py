@@ -150,6 +150,20 @@ def test_slow_headers_are_cut_and_connections_are_bounded(tiny_llama, tmp_path):
         server.stop()
 
 
+def test_the_grammar_compile_limit_is_a_serve_flag(tiny_llama, tmp_path):
+    server = ServerProcess(tiny_llama.gguf_path, "--grammar-compile-timeout", "0.0001",
+                           log_path=tmp_path / "server.log")
+    url = f"{server.url}/v1/completions"
+    try:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        constrained = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 4, "response_format": constrained}, timeout=30)
+        assert r.status_code == 400 and "longer than 0.0001 s to compile" in r.json()["error"]["message"]
+        assert httpx.post(url, json={"prompt": "x", "max_tokens": 2}, timeout=30).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_the_api_key_can_come_from_the_environment(tiny_llama, tmp_path):
     server = ServerProcess(tiny_llama.gguf_path, log_path=tmp_path / "server.log",
                            env={"WALLBREAKER_API_KEY": "from-env"})

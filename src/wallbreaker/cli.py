@@ -197,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, protect_metrics=args.protect_metrics,
         max_queue=args.max_queue, request_timeout=args.request_timeout or None,
         max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
-        header_timeout=args.header_timeout,
+        header_timeout=args.header_timeout, grammar_compile_timeout=args.grammar_compile_timeout,
         allowed_hosts=tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else None)
     llm = load_llm(args)
     serve(build_app(llm, config), log_level=args.log_level)
@@ -290,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent connections beyond which new ones get 503 (default: 256)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (default: 10)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=5.0,
+                   help="seconds a JSON schema, regex or grammar may take to compile before a 400 (default: 5)")
     p.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host names to answer ('*': any; default: loopback names when bound "
                         "to loopback, any when bound to 0.0.0.0)")
