@@ -43,20 +43,8 @@ from wallbreaker.sampling_params import StructuredOutputsParams
 RESULTS = Path(__file__).parent / "results"
 MAX_WHITESPACE = 40  # JSON_WHITESPACE's bound, for xgrammar's max_whitespace_cnt
 
-SMALL = {"type": "object", "properties": {
-    "name": {"type": "string", "minLength": 2, "maxLength": 16},
-    "age": {"type": "integer", "minimum": 18, "maximum": 99},
-    "role": {"enum": ["admin", "editor", "viewer"]},
-    "address": {"type": "object", "properties": {
-        "city": {"type": "string", "minLength": 1, "maxLength": 20},
-        "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
-        "building": {"type": "object", "properties": {"floor": {"type": "integer", "minimum": 0, "maximum": 40},
-                                                      "kind": {"enum": ["house", "flat", "office"]}},
-                     "required": ["floor", "kind"], "additionalProperties": False}},
-        "required": ["city", "zip", "building"], "additionalProperties": False},
-    "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 10},
-             "minItems": 1, "maxItems": 3}},
-    "required": ["name", "age", "role", "address", "tags"], "additionalProperties": False}
+# the schema the tests validate outputs against (tests/test_server_structured_smollm2.py)
+SMALL = json.loads((Path(__file__).parents[1] / "tests" / "data" / "person_schema.json").read_text())
 ASK = "Describe user number {i} of a web site as JSON: name, age, role, address, tags."
 
 

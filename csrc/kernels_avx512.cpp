@@ -52,6 +52,20 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return lanesums(_mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD)));
 }
 
+// out[(m + i) * ldo + j] = the sum of acc[i][j]: a tile of MT activation rows by NT weight rows
+template <int MT, int NT>
+inline void store_sums(const __m512 (&acc)[MT][NT], float* out, int64_t m, int64_t ldo) {
+  #pragma GCC unroll 8
+  for (int i = 0; i < MT; i++) {
+    if (NT == 4) {
+      _mm_storeu_ps(out + (m + i) * ldo, hsum4(acc[i][0], acc[i][NT > 1 ? 1 : 0], acc[i][NT > 2 ? 2 : 0], acc[i][NT > 3 ? 3 : 0]));
+    } else {
+      #pragma GCC unroll 8
+      for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]);
+    }
+  }
+}
+
 inline __mmask64 bytes_mask(int64_t n) { return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1); }
 
 // ---- activations ------------------------------------------------------------------------------
@@ -235,15 +249,7 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
       group_dot<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, nb - 4 * g, idx, dw, dx, acc, pf);
     }
   }
-  #pragma GCC unroll 8
-  for (int i = 0; i < MT; i++) {
-    if (NT == 4) {
-      _mm_storeu_ps(out + (m + i) * ldo, hsum4(acc[i][0], acc[i][NT > 1 ? 1 : 0], acc[i][NT > 2 ? 2 : 0], acc[i][NT > 3 ? 3 : 0]));
-    } else {
-      #pragma GCC unroll 8
-      for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]);
-    }
-  }
+  store_sums<MT, NT>(acc, out, m, ldo);
 }
 
 // ---- 256-blocks -------------------------------------------------------------------------------
@@ -424,15 +430,7 @@ void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, in
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_set1_ps(D * a.d[(m + i) * a.ldb + b]), acc[i][j]);
     }
   }
-  #pragma GCC unroll 8
-  for (int i = 0; i < MT; i++) {
-    if (NT == 4) {
-      _mm_storeu_ps(out + (m + i) * ldo, hsum4(acc[i][0], acc[i][NT > 1 ? 1 : 0], acc[i][NT > 2 ? 2 : 0], acc[i][NT > 3 ? 3 : 0]));
-    } else {
-      #pragma GCC unroll 8
-      for (int j = 0; j < NT; j++) out[(m + i) * ldo + j] = hsum16(acc[i][j]);
-    }
-  }
+  store_sums<MT, NT>(acc, out, m, ldo);
 }
 
 // Q2_K, Q3_K: codes of 64-element chunk c (0..3) of a block, unsigned, natural order.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -21,21 +22,9 @@ from wallbreaker.server.app import build_app
 pytestmark = pytest.mark.real_model
 
 SEEDS = range(20)
-# Nested objects, enums, integer bounds, string length limits, arrays with minItems and maxItems.
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "minLength": 2, "maxLength": 16},
-    "age": {"type": "integer", "minimum": 18, "maximum": 99},
-    "role": {"enum": ["admin", "editor", "viewer"]},
-    "address": {"type": "object", "properties": {
-        "city": {"type": "string", "minLength": 1, "maxLength": 20},
-        "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
-        "building": {"type": "object", "properties": {"floor": {"type": "integer", "minimum": 0, "maximum": 40},
-                                                      "kind": {"enum": ["house", "flat", "office"]}},
-                     "required": ["floor", "kind"], "additionalProperties": False}},
-        "required": ["city", "zip", "building"], "additionalProperties": False},
-    "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 10},
-             "minItems": 1, "maxItems": 3}},
-    "required": ["name", "age", "role", "address", "tags"], "additionalProperties": False}
+# Nested objects, enums, integer bounds, string length limits, arrays with minItems and maxItems
+# (benchmarks/structured_output.py measures the same schema).
+PERSON = json.loads((Path(__file__).parent / "data" / "person_schema.json").read_text())
 ASK_PERSON = [{"role": "user", "content": "Describe a user of a web site as JSON: name, age, role, address, tags."}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]},

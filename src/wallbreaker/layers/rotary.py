@@ -87,6 +87,9 @@ def frequencies(head_dim: int, theta: float,
     raise ValueError(f"unknown RoPE scaling {scaling.kind!r}")  # ModelConfig admits none other
 
 
+_KEYS: dict[tuple, int] = {}  # (head_dim, theta, scaling) -> its key
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (Hugging Face layout), computed for the positions at hand.
 
@@ -105,8 +108,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("inv_freq_long", inv_freq_long, persistent=False)
         self.long_from = scaling.original_max_position_embeddings if inv_freq_long is not None else None
-        # layers with equal keys share one cos/sin per step
-        self.key = (head_dim, theta, scaling)
+        # layers with equal keys share one cos/sin per step; a small int, so that the per-layer lookup
+        # never hashes a scaling's factor lists
+        self.key = _KEYS.setdefault((head_dim, theta, scaling), len(_KEYS))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, [T, head_dim]: the rotation is then x * cos + roll(x, half) * sin,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,7 @@ class Call:
 
 
 # -- parsers: the model's own way of writing calls ----------------------------------------------
-class ToolParser:
+class ToolParser(ABC):
     """Finds calls in a model's output. `start` is where the calls begin in a text (None: no call,
     or not yet); `parse` splits a whole output into content and calls."""
 
@@ -70,8 +71,9 @@ class ToolParser:
         content = text[:start].strip()
         return content or None, calls
 
+    @abstractmethod
     def _calls(self, text: str) -> list[Call]:
-        raise NotImplementedError
+        """The calls in `text`, which begins at the first marker; [] unless every one parses."""
 
 
 class HermesParser(ToolParser):
