@@ -16,6 +16,8 @@ struct AttnArgs {
   const void* v;
   const float* k_scale;  // [KVH, S] per token and head (int8, fp8), else nullptr
   const float* v_scale;
+  const float* k_offset;  // [KVH, D] added back to every dequantized K (V) row, else nullptr
+  const float* v_offset;
   int kv_type;
   const int32_t* block_tables;  // [N, W] physical block ids
   int64_t block_table_stride;   // W

@@ -56,6 +56,30 @@ void dot_block(const float* q, const void* row, int64_t D, float* s, int64_t ld)
   for (int g = 0; g < NG; g++) s[g * ld] = hsum8(acc[g]);
 }
 
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// NG query heads against four rows: 4 * NG independent FMA chains (one row's chain alone waits on
+// the FMA latency at head_dim 64), and the 4 sums of a head reduced together.
+template <int KVT, int NG>
+void dot_block4(const float* q, const void* const* rows, int64_t D, float* s, int64_t ld) {
+  __m256 acc[NG][4];
+  for (int g = 0; g < NG; g++)
+    for (int r = 0; r < 4; r++) acc[g][r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    __m256 x[4];
+    for (int r = 0; r < 4; r++) x[r] = load8<KVT>(rows[r], i);
+    for (int g = 0; g < NG; g++) {
+      const __m256 qg = _mm256_loadu_ps(q + g * D + i);
+      for (int r = 0; r < 4; r++) acc[g][r] = _mm256_fmadd_ps(qg, x[r], acc[g][r]);
+    }
+  }
+  for (int g = 0; g < NG; g++) _mm_storeu_ps(s + g * ld, hsum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+}
+
 template <int KVT>
 void dot_rows_t(const float* q, int64_t G, const void* row, int64_t D, float* s, int64_t ld) {
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
@@ -71,6 +95,29 @@ void dot_rows_t(const float* q, int64_t G, const void* row, int64_t D, float* s,
       case 7: dot_block<KVT, 7>(qg, row, D, sg, ld); break;
       default: dot_block<KVT, 8>(qg, row, D, sg, ld); break;
     }
+  }
+}
+
+template <int KVT>
+void dot_rows4_t(const float* q, int64_t G, const void* const* rows, int64_t D, float* s, int64_t ld) {
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {  // at most 12 accumulators
+    const float* qg = q + g0 * D;
+    float* sg = s + g0 * ld;
+    switch (G - g0 < 3 ? G - g0 : 3) {
+      case 1: dot_block4<KVT, 1>(qg, rows, D, sg, ld); break;
+      case 2: dot_block4<KVT, 2>(qg, rows, D, sg, ld); break;
+      default: dot_block4<KVT, 3>(qg, rows, D, sg, ld); break;
+    }
+  }
+}
+
+void dot_rows4(const float* q, int64_t G, const void* const* rows, int kv_type, int64_t D, float* s, int64_t ld) {
+  switch (kv_type) {
+    case KV_F32: return dot_rows4_t<KV_F32>(q, G, rows, D, s, ld);
+    case KV_BF16: return dot_rows4_t<KV_BF16>(q, G, rows, D, s, ld);
+    case KV_F16: return dot_rows4_t<KV_F16>(q, G, rows, D, s, ld);
+    case KV_INT8: return dot_rows4_t<KV_INT8>(q, G, rows, D, s, ld);
+    default: return dot_rows4_t<KV_FP8>(q, G, rows, D, s, ld);
   }
 }
 

@@ -42,6 +42,10 @@ void dot_rows(const float* q, int64_t G, const void* row, int kv_type, int64_t D
   }
 }
 
+void dot_rows4(const float* q, int64_t G, const void* const* rows, int kv_type, int64_t D, float* s, int64_t ld) {
+  for (int r = 0; r < 4; r++) dot_rows(q, G, rows[r], kv_type, D, s + r, ld);
+}
+
 void weighted_sum(const float* w, int64_t G, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes,
                   int kv_type, float* out, int64_t D) {
   memset(out, 0, sizeof(float) * G * D);

@@ -22,13 +22,14 @@ int kv_type_of(const torch::Tensor& cache) {
 
 }  // namespace
 
-// q [T, H, D] float32; k_cache, v_cache [KVH, S, D]; scales [KVH, S] float32 for int8/fp8 pages;
-// block_tables [N, W] int32; query_start [N + 1] int32; context_lens [N] int32. Returns [T, H, D].
+// q [T, H, D] float32; k_cache, v_cache [KVH, S, D]; scales [KVH, S] float32 for int8/fp8 pages,
+// and optionally offsets [KVH, D] float32 (a row dequantizes to page * scale + offset); block_tables [N, W] int32; query_start [N + 1] int32; context_lens [N] int32. Returns [T, H, D].
 torch::Tensor paged_attention(const torch::Tensor& q_in, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
-                              const torch::Tensor& block_tables, const torch::Tensor& query_start,
-                              const torch::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
-                              double softcap) {
+                              const c10::optional<torch::Tensor>& k_offset,
+                              const c10::optional<torch::Tensor>& v_offset, const torch::Tensor& block_tables,
+                              const torch::Tensor& query_start, const torch::Tensor& context_lens, int64_t block_size,
+                              double scale, int64_t window, double softcap) {
   auto q = q_in.to(torch::kFloat).contiguous();
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q [T, H, D], caches [KVH, S, D]");
@@ -39,6 +40,12 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const torch::Tensor& k_
   const int kv_type = kv_type_of(k_cache);
   const bool scaled = kv_type == wb::KV_INT8 || kv_type == wb::KV_FP8;
   TORCH_CHECK(scaled == (k_scale.has_value() && v_scale.has_value()), "paged_attention: int8/fp8 pages need scales");
+  TORCH_CHECK(k_offset.has_value() == v_offset.has_value() && (scaled || !k_offset.has_value()),
+              "paged_attention: offsets come in pairs, with int8/fp8 pages");
+  for (const auto* t : {&k_offset, &v_offset})
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == torch::kFloat && (*t)->is_contiguous() &&
+                                    (*t)->dim() == 2 && (*t)->size(0) == KVH && (*t)->size(1) == D),
+                "paged_attention: offsets must be float32 [KVH, D]");
   for (const auto* t : {&block_tables, &query_start, &context_lens})
     TORCH_CHECK(t->scalar_type() == torch::kInt && t->is_contiguous(), "paged_attention: int32 tables");
   const int64_t N = context_lens.size(0);
@@ -52,6 +59,8 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const torch::Tensor& k_
   a.v = v_cache.data_ptr();
   a.k_scale = scaled ? k_scale->data_ptr<float>() : nullptr;
   a.v_scale = scaled ? v_scale->data_ptr<float>() : nullptr;
+  a.k_offset = k_offset.has_value() ? k_offset->data_ptr<float>() : nullptr;
+  a.v_offset = v_offset.has_value() ? v_offset->data_ptr<float>() : nullptr;
   a.kv_type = kv_type;
   a.block_tables = block_tables.data_ptr<int32_t>();
   a.block_table_stride = block_tables.size(1);

@@ -92,13 +92,17 @@ torch::Tensor gated_act(const torch::Tensor& gate_up_in, const std::string& act)
 // has one (Gemma 3), rotate-half RoPE of q and k with cos / sign-folded sin [T, D], and K and V
 // written into the layer's cache [KVH, slots, D] at each token's slot: float32, bfloat16 or
 // float16 as they are; int8 (symmetric, scale = amax / 127) or fp8 e4m3 (scale = amax / 448) with
-// one scale per token and head, written to k_scale / v_scale [KVH, slots].
+// one scale per token and head, written to k_scale / v_scale [KVH, slots]. With k_offset / v_offset
+// [KVH, D], a quantized page holds (x - offset) / scale: the part every token shares is left out of
+// the rounding (paged attention adds it back).
 // Returns q [T, H, D] float32.
 torch::Tensor rope_write_kv(const torch::Tensor& qkv_in, const torch::Tensor& cos, const torch::Tensor& sin,
                             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                             int64_t H, int64_t KVH, const c10::optional<torch::Tensor>& q_norm,
                             const c10::optional<torch::Tensor>& k_norm, double eps,
-                            const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
+                            const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
+                            const c10::optional<torch::Tensor>& k_offset,
+                            const c10::optional<torch::Tensor>& v_offset) {
   auto qkv = qkv_in.to(torch::kFloat).contiguous();
   const int64_t T = qkv.size(0), D = k_cache.size(2);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * KVH) * D, "rope_write_kv: qkv must be [T, (H + 2 KVH) D]");
@@ -119,6 +123,14 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv_in, const torch::Tensor& co
       TORCH_CHECK((*t)->scalar_type() == torch::kFloat && (*t)->is_contiguous() && (*t)->dim() == 2 &&
                       (*t)->size(0) == KVH && (*t)->size(1) == k_cache.size(1),
                   "rope_write_kv: scales must be float32 [KVH, slots]");
+  TORCH_CHECK(k_offset.has_value() == v_offset.has_value() && (quantized || !k_offset.has_value()),
+              "rope_write_kv: offsets come in pairs, with int8 and fp8 caches");
+  for (const auto* t : {&k_offset, &v_offset})
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == torch::kFloat && (*t)->is_contiguous() &&
+                                    (*t)->dim() == 2 && (*t)->size(0) == KVH && (*t)->size(1) == k_cache.size(2)),
+                "rope_write_kv: offsets must be float32 [KVH, D]");
+  const float* kop = k_offset.has_value() ? k_offset->data_ptr<float>() : nullptr;
+  const float* vop = v_offset.has_value() ? v_offset->data_ptr<float>() : nullptr;
   float* ksp = quantized ? k_scale->data_ptr<float>() : nullptr;
   float* vsp = quantized ? v_scale->data_ptr<float>() : nullptr;
   auto slots = slot_mapping.to(torch::kLong).contiguous();
@@ -141,9 +153,14 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv_in, const torch::Tensor& co
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t elem = kv_dtype == torch::kFloat ? 4 : quantized ? 1 : 2, half = D / 2, width = (H + 2 * KVH) * D;
 
-  auto store = [&](char* base, float* scales, int64_t head, int64_t slot, const float* x) {
+  auto store = [&](char* base, float* scales, const float* offsets, int64_t head, int64_t slot, const float* x) {
     char* dst = base + ((head * S) + slot) * D * elem;
     if (quantized) {
+      float shifted[1024];
+      if (offsets) {
+        for (int64_t i = 0; i < D; i++) shifted[i] = x[i] - offsets[head * D + i];
+        x = shifted;
+      }
       float amax = 0.0f;
       for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(x[i]));
       const bool int8 = kv_dtype == torch::kChar;
@@ -188,8 +205,8 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv_in, const torch::Tensor& co
       for (int64_t h = 0; h < H; h++) rope(row + h * D, qn, c, s, qp + (t * H + h) * D);
       for (int64_t h = 0; h < KVH; h++) {
         rope(row + (H + h) * D, kn, c, s, k_rot);
-        store(kc, ksp, h, sp[t], k_rot);
-        store(vc, vsp, h, sp[t], row + (H + KVH + h) * D);
+        store(kc, ksp, kop, h, sp[t], k_rot);
+        store(vc, vsp, vop, h, sp[t], row + (H + KVH + h) * D);
       }
     }
   });

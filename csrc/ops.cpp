@@ -112,9 +112,10 @@ int wb_kernel_level() { return level(); }
 // attention_ops.cpp
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
-                              const torch::Tensor& block_tables, const torch::Tensor& query_start,
-                              const torch::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
-                              double softcap);
+                              const c10::optional<torch::Tensor>& k_offset,
+                              const c10::optional<torch::Tensor>& v_offset, const torch::Tensor& block_tables,
+                              const torch::Tensor& query_start, const torch::Tensor& context_lens, int64_t block_size,
+                              double scale, int64_t window, double softcap);
 
 // fused_ops.cpp
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& w, double eps);
@@ -123,7 +124,9 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
                             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                             int64_t H, int64_t KVH, const c10::optional<torch::Tensor>& q_norm,
                             const c10::optional<torch::Tensor>& k_norm, double eps,
-                            const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale);
+                            const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
+                            const c10::optional<torch::Tensor>& k_offset,
+                            const c10::optional<torch::Tensor>& v_offset);
 
 std::string get_isa() { return kNames[level()]; }
 
@@ -242,7 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa, "force a kernel level ('' for the best this CPU has)", py::arg("level"));
   m.def("paged_attention", &paged_attention, "attention of a few queries a sequence over paged K/V",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
-        py::arg("block_tables"), py::arg("query_start"), py::arg("context_lens"), py::arg("block_size"),
+        py::arg("k_offset"), py::arg("v_offset"), py::arg("block_tables"), py::arg("query_start"), py::arg("context_lens"), py::arg("block_size"),
         py::arg("scale"), py::arg("window"), py::arg("softcap"));
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta; rms_norm(x) * w", py::arg("x"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
@@ -251,5 +254,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "q/k norm, RoPE and the K/V cache write of a fused qkv projection",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("q_norm"),
-        py::arg("k_norm"), py::arg("eps"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("k_norm"), py::arg("eps"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("k_offset") = py::none(), py::arg("v_offset") = py::none());
 }

@@ -61,33 +61,45 @@ def test_paged_attention_matches_dense_attention(level, dtype, window, softcap, 
     q, k, v, tables, qs, lens, bs = paged_case(*heads)
     k, v = k.to(dtype), v.to(dtype)  # the reference reads the same rounded pages
     scale = heads[2] ** -0.5
-    got = _C.paged_attention(q, k, v, None, None, tables, qs, lens, bs, scale, window, softcap)
+    got = _C.paged_attention(q, k, v, None, None, None, None, tables, qs, lens, bs, scale, window, softcap)
     want = reference(q, k.float(), v.float(), tables, qs, lens, bs, scale, window, softcap)
     # float32 accumulation over at most 70 keys of unit-variance products: well under 1e-5
     assert (got.double() - want).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_int8_and_fp8_pages_equal_attention_over_their_dequantized_pages(level, kind):
+@pytest.mark.parametrize("offsets", [False, True])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_int8_and_fp8_pages_equal_attention_over_their_dequantized_pages(level, kind, offsets, softcap):
+    """A row stands for page * scale + offset: the kernel adds the offset's share (q . k_offset to every
+    score, v_offset to the output) without forming that row."""
     q, k, v, tables, qs, lens, bs = paged_case(9, 3, 64)
+    g = torch.Generator().manual_seed(1)
+    k_off, v_off = (3 * torch.randn(3, 64, generator=g) for _ in range(2)) if offsets else (None, None)
     k_scale, v_scale = k.abs().amax(-1) / 127, v.abs().amax(-1) / 127  # [KVH, S]: per token and head
     if kind == "int8":
         kq, vq = (torch.round(x / s[..., None]).to(torch.int8) for x, s in ((k, k_scale), (v, v_scale)))
     else:
         k_scale, v_scale = k_scale * 127 / 448, v_scale * 127 / 448
         kq, vq = ((x / s[..., None]).to(torch.float8_e4m3fn) for x, s in ((k, k_scale), (v, v_scale)))
-    got = _C.paged_attention(q, kq, vq, k_scale, v_scale, tables, qs, lens, bs, 0.125, 0, 0.0)
-    want = reference(q, kq.float() * k_scale[..., None], vq.float() * v_scale[..., None], tables, qs, lens, bs, 0.125)
+
+    def dequantized(pages, scale, offset):
+        x = pages.float() * scale[..., None]
+        return x if offset is None else x + offset[:, None]
+
+    got = _C.paged_attention(q, kq, vq, k_scale, v_scale, k_off, v_off, tables, qs, lens, bs, 0.125, 0, softcap)
+    want = reference(q, dequantized(kq, k_scale, k_off), dequantized(vq, v_scale, v_off), tables, qs, lens, bs, 0.125,
+                     softcap=softcap)
     assert (got.double() - want).abs().max() < 2e-5
 
 
 def test_every_query_of_a_span_is_computed_as_a_decode_at_its_position(level):
     """Verifying K drafts in one call gives, row for row, what K + 1 decode steps give: bit for bit."""
     q, k, v, tables, _, lens, bs = paged_case(lens=(40,), queries=(5,))
-    together = _C.paged_attention(q, k, v, None, None, tables, torch.tensor([0, 5], dtype=torch.int32), lens, bs,
+    together = _C.paged_attention(q, k, v, None, None, None, None, tables, torch.tensor([0, 5], dtype=torch.int32), lens, bs,
                                   0.2, 0, 0.0)
     for i in range(5):
-        alone = _C.paged_attention(q[i:i + 1], k, v, None, None, tables, torch.tensor([0, 1], dtype=torch.int32),
+        alone = _C.paged_attention(q[i:i + 1], k, v, None, None, None, None, tables, torch.tensor([0, 1], dtype=torch.int32),
                                    lens - 4 + i, bs, 0.2, 0, 0.0)
         assert torch.equal(alone[0], together[i])
 
@@ -95,6 +107,9 @@ def test_every_query_of_a_span_is_computed_as_a_decode_at_its_position(level):
 def test_bad_arguments_are_refused():
     q, k, v, tables, qs, lens, bs = paged_case()
     with pytest.raises(RuntimeError, match="scales"):
-        _C.paged_attention(q, k.to(torch.int8), v.to(torch.int8), None, None, tables, qs, lens, bs, 1.0, 0, 0.0)
+        _C.paged_attention(q, k.to(torch.int8), v.to(torch.int8), None, None, None, None, tables, qs, lens, bs, 1.0, 0, 0.0)
+    offset = torch.zeros(k.shape[0], k.shape[2])
+    with pytest.raises(RuntimeError, match="offsets"):  # a float page has no zero point
+        _C.paged_attention(q, k, v, None, None, offset, offset, tables, qs, lens, bs, 1.0, 0, 0.0)
     with pytest.raises(RuntimeError, match="int32"):
-        _C.paged_attention(q, k, v, None, None, tables.long(), qs, lens, bs, 1.0, 0, 0.0)
+        _C.paged_attention(q, k, v, None, None, None, None, tables.long(), qs, lens, bs, 1.0, 0, 0.0)

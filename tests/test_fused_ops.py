@@ -71,3 +71,33 @@ def test_rope_write_kv_refuses_a_slot_outside_the_cache():
     cos, sin = RotaryEmbedding(8, 10000.0).cos_sin(torch.tensor([0]))
     with pytest.raises(RuntimeError, match="slot out of range"):
         _C.rope_write_kv(torch.randn(1, 24), cos, sin, cache, cache.clone(), torch.tensor([4]), 1, 1, None, None, 0.0)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_rope_write_kv_rounds_what_the_offsets_leave(kind, with_offsets):
+    """A quantized row holds (x - offset) / scale, scale = amax|x - offset| / 127 (int8) or / 448 (fp8):
+    it stands for page * scale + offset within half an int8 step, or fp8's 1/16 of |x - offset|."""
+    T, H, KVH, D, S = 5, 2, 2, 16, 12
+    g = torch.Generator().manual_seed(2)
+    offsets = 200 * torch.randn(2, KVH, D, generator=g)  # Qwen2.5-like: a bias far above the rest
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g)
+    qkv[:, H * D:] += offsets.flatten()
+    cos, sin = RotaryEmbedding(D, 10000.0).cos_sin(torch.zeros(T, dtype=torch.long))  # position 0: K as projected
+    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    pages = [torch.zeros(KVH, S, D, dtype=dtype) for _ in range(2)]
+    scales = [torch.zeros(KVH, S) for _ in range(2)]
+    slots = torch.tensor([3, 0, 11, 7, 4])
+    k_off, v_off = offsets if with_offsets else (None, None)
+
+    _C.rope_write_kv(qkv, cos, sin, *pages, slots, H, KVH, None, None, 0.0, *scales, k_off, v_off)
+
+    inputs = qkv[:, H * D:].view(T, 2, KVH, D).permute(1, 2, 0, 3)  # [K/V, KVH, T, D]
+    for x, page, scale, offset in zip(inputs, pages, scales, offsets):
+        zero = offset[:, None] if with_offsets else 0.0
+        rest = x - zero
+        scale = scale[:, slots]
+        torch.testing.assert_close(scale, rest.abs().amax(-1) / (127 if kind == "int8" else 448))
+        error = (page[:, slots].float() * scale[..., None] + zero - x).abs()
+        bound = scale[..., None] / 2 if kind == "int8" else rest.abs() / 16
+        assert (error <= bound * 1.001 + 1e-3).all()

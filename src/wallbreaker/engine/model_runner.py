@@ -33,7 +33,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
-        for i, attn in enumerate(model.attention_layers()):
+        layers = model.attention_layers()
+        kv_cache.set_offsets([attn.kv_offsets() for attn in layers])
+        for i, attn in enumerate(layers):
             attn.kv = kv_cache.layer(i)
 
     @torch.inference_mode()

@@ -5,7 +5,9 @@ attention multiplies with, without a transposing copy.
 
 Quantized pages (int8, fp8) carry one float32 scale per token and head beside them,
 [layers, K/V, kv_heads, slots]: written with the page by the fused cache write, read with it by
-the paged attention kernel, copied with it on copy-on-write.
+the paged attention kernel, copied with it on copy-on-write. A model whose K and V have a part no
+token changes (a projection bias) sets it as the pages' offsets, [layers, K/V, kv_heads, head_dim]:
+a page then rounds only the rest, and stands for page * scale + offset.
 
 Zero-filled (attention masks the unused slots of a gathered block; a masked zero contributes
 nothing where garbage could be NaN) and touched up front: a first write to a fresh page costs a
@@ -29,17 +31,31 @@ class KVCache:
         self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) \
             if dtype in QUANTIZED_KV_DTYPES else None
+        self.offsets: torch.Tensor | None = None
         self.block_size = block_size
 
     @property
     def dtype(self) -> torch.dtype:
         return self.tensor.dtype
 
+    def set_offsets(self, per_layer: list[torch.Tensor | None]) -> None:
+        """Each layer's [K/V, kv_heads, head_dim] offsets (None: zero); only quantized pages use them,
+        and only before the first write."""
+        if self.scales is None or all(o is None for o in per_layer):
+            self.offsets = None
+            return
+        shape = self.tensor.shape
+        self.offsets = torch.zeros(shape[0], 2, shape[2], shape[4], dtype=torch.float32, device=self.tensor.device)
+        for i, o in enumerate(per_layer):
+            if o is not None:
+                self.offsets[i] = o
+
     def layer(self, i: int) -> LayerKV:
-        """Layer i's pages (views of the pool), with their scales for int8 / fp8 pages."""
+        """Layer i's pages (views of the pool), with their scales (and offsets) for int8 / fp8 pages."""
         if self.scales is None:
             return LayerKV(self.tensor[i, 0], self.tensor[i, 1])
-        return LayerKV(self.tensor[i, 0], self.tensor[i, 1], self.scales[i, 0], self.scales[i, 1])
+        offsets = (None, None) if self.offsets is None else (self.offsets[i, 0], self.offsets[i, 1])
+        return LayerKV(self.tensor[i, 0], self.tensor[i, 1], self.scales[i, 0], self.scales[i, 1], *offsets)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -52,8 +68,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
-        return self.tensor.numel() * self.tensor.element_size() + scales
+        extra = sum(t.numel() * t.element_size() for t in (self.scales, self.offsets) if t is not None)
+        return self.tensor.numel() * self.tensor.element_size() + extra
 
 
 DEFAULT_MAX_GB = 2.0  # zeroed at start, so the default stays modest

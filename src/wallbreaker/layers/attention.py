@@ -21,12 +21,15 @@ MAX_PAGED_QUERIES = 33  # a sequence with at most this many new tokens goes to t
 
 class LayerKV(NamedTuple):
     """One layer's K and V pages, [kv_heads, slots, head_dim] each; for int8 and fp8 pages also
-    their scales, [kv_heads, slots], one per token and head."""
+    their scales, [kv_heads, slots], one per token and head, and where the model has them the
+    offsets, [kv_heads, head_dim]: a quantized row stands for page * scale + offset."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    k_offset: torch.Tensor | None = None
+    v_offset: torch.Tensor | None = None
 
 
 @dataclass
@@ -75,8 +78,9 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale
 
 
 def _paged(q, kv: LayerKV, meta: AttentionMetadata, scale, sliding_window, softcap):
-    out = _C.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, meta.block_tables, meta.query_start,
-                             meta.context_lens, meta.block_size, scale, sliding_window or 0, softcap or 0.0)
+    out = _C.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_offset, kv.v_offset, meta.block_tables,
+                             meta.query_start, meta.context_lens, meta.block_size, scale, sliding_window or 0,
+                             softcap or 0.0)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -87,21 +91,31 @@ def _slots(block_table: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def _gathered(pages: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-    """[kv_heads, ctx, head_dim] of one sequence's context; quantized pages dequantized to bfloat16
-    (this sequence's context only, never a float copy of the cache)."""
+    """[kv_heads, ctx, head_dim] of one sequence's context; quantized pages as page * scale in bfloat16
+    (this sequence's context only, never a float copy of the cache), their offsets left out."""
     x = pages[:, slots]
     if scales is None:
         return x
     return (x.float() * scales[:, slots, None]).to(torch.bfloat16)
 
 
+def _per_query_head(offset: torch.Tensor, heads: int) -> torch.Tensor:
+    """[kv_heads, head_dim] -> [heads, head_dim]: each query head's KV head's offset."""
+    return offset.repeat_interleave(heads // offset.shape[0], dim=0)
+
+
 def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None):
+    """Offsets are added exactly, not rounded into bfloat16 rows (Qwen2.5's K bias of 354 would be
+    rounded by up to 1): K's adds q . k_offset to all of a query's scores, which the softmax cancels
+    (the soft cap does not: there it is added to the scores), and V's adds v_offset to the output,
+    the weights summing to 1."""
     slots = _slots(span.block_table[: -(-span.context_len // block_size)], block_size)[: span.context_len]
     k = _gathered(kv.k, kv.k_scale, slots)[None]  # [1, kv_heads, ctx, head_dim]
     v = _gathered(kv.v, kv.v_scale, slots)[None]
-    q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
+    heads = q.shape[1]
     fresh = span.context_len == span.length
     if softcap is None and fresh and (sliding_window is None or span.context_len <= sliding_window):
+        q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(span.context_len - span.length, span.context_len, device=q.device)[:, None]
@@ -110,18 +124,24 @@ def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_siz
         if sliding_window is not None:
             mask &= (query_pos - key_pos) < sliding_window
         if softcap is None:
+            q = q.transpose(0, 1)[None].to(k.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
-            out = _softcapped(q, k, v, mask, scale, softcap)
-    return out[0].transpose(0, 1)
+            shift = None if kv.k_offset is None else (q * _per_query_head(kv.k_offset, heads)).sum(-1).T[None, :, :, None]
+            out = _softcapped(q.transpose(0, 1)[None].to(k.dtype), k, v, mask, scale, softcap, shift)
+    out = out[0].transpose(0, 1)
+    return out if kv.v_offset is None else out.float() + _per_query_head(kv.v_offset, heads)
 
 
-def _softcapped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """Attention with the scores soft-capped (SDPA has no such step): [1, heads, L, head_dim]."""
+def _softcapped(q, k, v, mask, scale: float, softcap: float, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with the scores soft-capped (SDPA has no such step): [1, heads, L, head_dim]. `shift`
+    [1, heads, L, 1]: what each query adds to all its scores (q . k_offset), before the cap."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [1, heads, ctx, head_dim]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [1, heads, L, ctx]
-    scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [1, heads, L, ctx]
+    if shift is not None:
+        scores += shift
+    scores = torch.tanh(scores * scale / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(weights, v)

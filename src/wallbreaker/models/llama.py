@@ -44,12 +44,25 @@ class Attention(DirectModule):
         self.softcap = cfg.attn_logit_softcap
         self.kv: LayerKV | None = None  # this layer's pages in the KV pool, bound by the runner
 
+    def kv_offsets(self) -> torch.Tensor | None:
+        """[2, kv_heads, head_dim]: what every token's K and V share, the projection's biases (K's as
+        RoPE turns it at position 0), or None. Quantized pages round only the rest. Qwen2.5's K bias
+        reaches 354 where the rest of K is ~1: left in, it sets every token's int8 scale and is itself
+        rounded by fp8. It sits on the slowest channels of RoPE (1e-6 rad a token), so it stays put at
+        every position; elsewhere the offset is a choice of zero point, exact whatever its value."""
+        bias = self.qkv.bias
+        if bias is None or self.qk_norm:  # a norm after the projection: the bias is no longer additive
+            return None
+        offsets = bias.float()[self.num_heads * self.head_dim:].reshape(2, self.num_kv_heads, self.head_dim).clone()
+        offsets[0] *= self.rope.attention_factor
+        return offsets
+
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         kv = self.kv
         cos, sin = meta.rotary(self.rope)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else _NO_QK_NORM
         q = _rope_write_kv(self.qkv(x), cos, sin, kv.k, kv.v, meta.slot_mapping, self.num_heads, self.num_kv_heads,
-                           *norms, kv.k_scale, kv.v_scale)  # [T, heads, head_dim]; K/V are in the cache
+                           *norms, kv.k_scale, kv.v_scale, kv.k_offset, kv.v_offset)  # [T, heads, head_dim]
         return self.o(paged_attention(q, kv, meta, self.scale, self.sliding_window, self.softcap).flatten(1))
 
 

@@ -1,5 +1,5 @@
 """llama.cpp as a baseline, through its own benchmark tools (`llama-bench`, `llama-batched-bench`,
-`llama-speculative`), found in `--llama-cpp-dir`, `$LLAMA_CPP_DIR` or on PATH."""
+`llama-speculative`, `llama-perplexity`), found in `--llama-cpp-dir`, `$LLAMA_CPP_DIR` or on PATH."""
 from __future__ import annotations
 
 import json
@@ -97,6 +97,18 @@ class LlamaCpp:
         """Newer builds renamed --draft-max (and made the old name an error)."""
         help_text = subprocess.run([tool, "--help"], capture_output=True, text=True, timeout=60)
         return "--spec-draft-n-max" if "--spec-draft-n-max" in help_text.stdout + help_text.stderr else "--draft-max"
+
+
+    def perplexity(self, model: Path, text_file: Path, ctx: int, chunks: int,
+                   extra: tuple[str, ...] = ()) -> dict[str, float]:
+        """`llama-perplexity` over `chunks` windows of `ctx` tokens: its final PPL and ± estimate."""
+        cmd = [str(self.tool("llama-perplexity")), "-m", str(model), "-f", str(text_file), "-c", str(ctx),
+               "--chunks", str(chunks), "-t", str(self.threads), *extra]
+        result = _run(cmd, self.timeout_s)
+        m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", result.stdout + result.stderr)
+        if m is None:
+            raise LlamaCppError("llama-perplexity printed no 'Final estimate' line")
+        return {"ppl": float(m.group(1)), "stderr": float(m.group(2))}
 
 
 def parse_speculative(text: str) -> dict[str, float]:
