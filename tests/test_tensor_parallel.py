@@ -251,6 +251,8 @@ def test_killed_worker_fails_the_engine_naming_it_and_leaves_no_process(tiny_lla
     assert not [p.pid for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_two_ranks_on_int8_pages_give_the_same_tokens(tiny_llama):
-    """Each rank quantizes its own KV heads' pages, per token and head as one process does."""
-    assert_same_as_one_process(tiny_llama.gguf_path, 2, kv_cache_dtype="int8")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_two_ranks_on_int8_pages_give_the_same_tokens(tiny_of, kind):
+    """Each rank quantizes its own KV heads' pages, per token and head as one process does, less its
+    own heads' biases (qwen2)."""
+    assert_same_as_one_process(tiny_of(kind).gguf_path, 2, kv_cache_dtype="int8")
