@@ -23,7 +23,8 @@ int kv_type_of(const torch::Tensor& cache) {
 }  // namespace
 
 // q [T, H, D] float32; k_cache, v_cache [KVH, S, D]; scales [KVH, S] float32 for int8/fp8 pages,
-// and optionally offsets [KVH, D] float32 (a row dequantizes to page * scale + offset); block_tables [N, W] int32; query_start [N + 1] int32; context_lens [N] int32. Returns [T, H, D].
+// and optionally offsets [KVH, D] float32 (a row then stands for page * scale + offset);
+// block_tables [N, W] int32; query_start [N + 1] int32; context_lens [N] int32. Returns [T, H, D].
 torch::Tensor paged_attention(const torch::Tensor& q_in, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
                               const c10::optional<torch::Tensor>& k_offset,
