@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from wallbreaker import _C
-from wallbreaker.measure.machine import describe_machine, machine_facts
+from wallbreaker.measure.machine import describe_machine, machine_facts, timed
 from wallbreaker.measure.reporting import bar_plot, markdown_table, write_json
 
 RESULTS = Path(__file__).parent / "results"
@@ -33,16 +32,6 @@ def pages(kind: str, kv_heads: int, slots: int, head_dim: int, g: torch.Generato
         (x / scale[..., None]).to(dtype), scale
 
 
-def time_call(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def measure(kind: str, heads: tuple[int, int, int], seqs: int, ctx: int, block_size: int, repeats: int) -> dict:
     H, KVH, D = heads
     g = torch.Generator().manual_seed(0)
@@ -53,8 +42,8 @@ def measure(kind: str, heads: tuple[int, int, int], seqs: int, ctx: int, block_s
     query_start = torch.arange(seqs + 1, dtype=torch.int32)
     lens = torch.full((seqs,), ctx, dtype=torch.int32)
     q = torch.randn(seqs, H, D, generator=g)
-    seconds = time_call(lambda: _C.paged_attention(q, k, v, k_scale, v_scale, None, None, tables, query_start, lens,
-                                                   block_size, D ** -0.5, 0, 0.0), repeats)
+    seconds = statistics.median(timed(lambda: _C.paged_attention(q, k, v, k_scale, v_scale, None, None, tables, query_start, lens,
+                                                   block_size, D ** -0.5, 0, 0.0), repeats))
     row = D * k.element_size() + (4 if k_scale is not None else 0)
     read = 2 * seqs * KVH * ctx * row
     return {"kv_dtype": kind, "heads": list(heads), "seqs": seqs, "ctx": ctx, "us": seconds * 1e6,

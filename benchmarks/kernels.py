@@ -31,7 +31,7 @@ import torch
 
 from wallbreaker import kernels
 from wallbreaker.formats.dequant import block_info
-from wallbreaker.measure.machine import measure_bandwidth
+from wallbreaker.measure.machine import measure_bandwidth, timed
 
 T = gguf.GGMLQuantizationType
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -52,14 +52,9 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def timed(fn, repeats: int) -> tuple[float, float]:
+def median_and_best(fn, repeats: int) -> tuple[float, float]:
     """(median, best) seconds of fn over `repeats` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+    times = timed(fn, repeats)
     return statistics.median(times), min(times)
 
 
@@ -103,7 +98,7 @@ def bench_ours(pool, fmt, level, repeats, rows, cache=False):
                 for w in mats:
                     kernels.qmatmul(x, [w], [qtype])
 
-            t, best = (v / len(mats) for v in timed(run, repeats))
+            t, best = (v / len(mats) for v in median_and_best(run, repeats))
             out.append({"format": fmt, "shape": [n, k], "rows": m, "us": t * 1e6, "gbps": nbytes / t / 1e9,
                         "best_gbps": nbytes / best / 1e9, "matrices": len(mats)})
     return out
@@ -130,7 +125,7 @@ def bench_torch(pool, repeats, rows):
                     for w in mats:
                         call(x, w)
 
-                t, best = (v / len(mats) for v in timed(run, repeats))
+                t, best = (v / len(mats) for v in median_and_best(run, repeats))
                 out.append({"format": f"torch-{kind}", "shape": [n, k], "rows": m, "us": t * 1e6,
                             "gbps": nbytes / t / 1e9, "best_gbps": nbytes / best / 1e9, "matrices": len(mats)})
     return out

@@ -118,8 +118,9 @@ def store_profile(profile: MachineProfile, path: Path | None = None) -> Path:
     return path
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # first touch and warm-up
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of fn, after one call that warms up (first touches)."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -134,8 +135,8 @@ def measure_bandwidth(buffer_mib: int, repeats: int) -> dict[str, Sample]:
     src = torch.ones(n, dtype=torch.float32)
     dst = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
-    read = _timed(lambda: src.sum(), repeats)
-    copy = _timed(lambda: dst.copy_(src), repeats)
+    read = timed(lambda: src.sum(), repeats)
+    copy = timed(lambda: dst.copy_(src), repeats)
     return {"read": Sample.of([nbytes / t for t in read]), "copy": Sample.of([2 * nbytes / t for t in copy])}
 
 
@@ -175,7 +176,7 @@ def measure_flops(size: int, repeats: int, kinds: tuple[str, ...] = GEMM_KINDS) 
     """FLOP/s of a size^3 matmul of each kind, at the current torch thread count."""
     out = {}
     for kind in kinds:
-        times = _timed(_gemm(kind, size), repeats)
+        times = timed(_gemm(kind, size), repeats)
         out[kind] = Sample.of([2 * size**3 / t for t in times])
     return out
 
