@@ -113,9 +113,12 @@ def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_siz
     k = _gathered(kv.k, kv.k_scale, slots)[None]  # [1, kv_heads, ctx, head_dim]
     v = _gathered(kv.v, kv.v_scale, slots)[None]
     heads = q.shape[1]
+    shift = None  # [1, heads, L, 1]: q . k_offset, from the float32 queries
+    if softcap is not None and kv.k_offset is not None:
+        shift = (q * _per_query_head(kv.k_offset, heads)).sum(-1).T[None, :, :, None]
+    q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
     fresh = span.context_len == span.length
     if softcap is None and fresh and (sliding_window is None or span.context_len <= sliding_window):
-        q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(span.context_len - span.length, span.context_len, device=q.device)[:, None]
@@ -124,11 +127,9 @@ def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_siz
         if sliding_window is not None:
             mask &= (query_pos - key_pos) < sliding_window
         if softcap is None:
-            q = q.transpose(0, 1)[None].to(k.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
-            shift = None if kv.k_offset is None else (q * _per_query_head(kv.k_offset, heads)).sum(-1).T[None, :, :, None]
-            out = _softcapped(q.transpose(0, 1)[None].to(k.dtype), k, v, mask, scale, softcap, shift)
+            out = _softcapped(q, k, v, mask, scale, softcap, shift)
     out = out[0].transpose(0, 1)
     return out if kv.v_offset is None else out.float() + _per_query_head(kv.v_offset, heads)
 

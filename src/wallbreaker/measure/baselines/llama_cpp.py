@@ -98,7 +98,6 @@ class LlamaCpp:
         help_text = subprocess.run([tool, "--help"], capture_output=True, text=True, timeout=60)
         return "--spec-draft-n-max" if "--spec-draft-n-max" in help_text.stdout + help_text.stderr else "--draft-max"
 
-
     def perplexity(self, model: Path, text_file: Path, ctx: int, chunks: int,
                    extra: tuple[str, ...] = ()) -> dict[str, float]:
         """`llama-perplexity` over `chunks` windows of `ctx` tokens: its final PPL and ± estimate."""
