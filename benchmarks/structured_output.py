@@ -43,7 +43,7 @@ from wallbreaker.sampling_params import StructuredOutputsParams
 RESULTS = Path(__file__).parent / "results"
 MAX_WHITESPACE = 40  # JSON_WHITESPACE's bound, for xgrammar's max_whitespace_cnt
 
-# the schema the tests validate outputs against (tests/test_server_structured_smollm2.py)
+# the schema the tests validate outputs against (tests/test_server_structured_real_model.py)
 SMALL = json.loads((Path(__file__).parents[1] / "tests" / "data" / "person_schema.json").read_text())
 ASK = "Describe user number {i} of a web site as JSON: name, age, role, address, tags."
 

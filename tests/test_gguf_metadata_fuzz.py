@@ -116,7 +116,7 @@ def _run(cases: Iterator[tuple[str, Any]], write: Any, path: Path) -> None:
 
 def run_cases(sources: list[str], work: str) -> None:
     """The subprocess: every metadata case of every source GGUF."""
-    from test_loader_hardening import GGUFContents
+    from test_model_loading_errors import GGUFContents
 
     for source in sources:
         contents = GGUFContents.read(Path(source))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGUFValueType as VType
 from safetensors.torch import load_file, save_file
-from test_loader_hardening import GGUFContents
+from test_model_loading_errors import GGUFContents
 
 from wallbreaker import LLM
 from wallbreaker.errors import ModelFormatError, UnsupportedModelError, WallbreakerError
