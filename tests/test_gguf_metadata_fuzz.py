@@ -1,4 +1,4 @@
-"""GGUF metadata fuzzed key by key (issue 22): a typed error or a working model, nothing else.
+"""Loading GGUF metadata fuzzed key by key: a typed error or a working model, nothing else.
 
 Real small files (the tiny llama and gemma3 GGUFs of tiny_models.py) are rewritten with every
 numeric metadata key set in turn to 0, -1, 2**31 and 2**63 (float keys also to NaN and infinity),

@@ -1,11 +1,13 @@
-"""Crafted model files (issue 22): each a one-line typed error at load, never an exception from
-inside a later model step, a memory bomb, or a hang.
+"""Loading a crafted model file (GGUF, Hugging Face folder, wallbreaker-quantized folder): each
+defect is a one-line typed error at load (`ModelFormatError`, `UnsupportedModelError`), never an
+exception from inside a later model step, a memory bomb, or a hang.
 
 The GGUF container is fuzzed in test_gguf_file.py and its metadata in test_gguf_metadata_fuzz.py;
-here each finding of the review has its own case: token ids the embedding has no row for, metadata
+here each kind of defect has its own case: token ids the embedding has no row for, metadata
 that no model can have (zero heads, an odd head size, 2**40 layers, merges that are not strings or
 name unknown tokens), Hugging Face configs with missing keys or wrong JSON types, a quantized
-folder whose group indices point past its groups, and the safety net at the loader's entry.
+folder whose group indices point past its groups, `ModelConfig`'s own checks, the safety net at
+the loader's entry, and SentencePiece merges derived in time linear in a long token.
 """
 from __future__ import annotations
 
@@ -128,7 +130,7 @@ def bounded_subprocess(code: str, memory_gb: float = 4.0, timeout: float = 120.0
     return result.stdout
 
 
-# -- finding 3: token ids the embedding has no row for ----------------------------------------------------
+# -- token ids the embedding has no row for ---------------------------------------------------------------
 def test_gguf_with_more_tokens_than_embedding_rows(llama_gguf, tmp_path):
     tokens, types = llama_gguf.get("tokenizer.ggml.tokens"), llama_gguf.get("tokenizer.ggml.token_type")
     rows = next(d.shape[0] for n, d, _ in llama_gguf.tensors if n == "token_embd.weight")
@@ -232,7 +234,7 @@ def test_hf_bos_named_only_by_an_out_of_range_id(tiny_llama, tmp_path):
     expect(ModelFormatError, folder, "bos_token_id", str(rows + 1), f"{rows} rows")
 
 
-# -- finding 6: metadata no model can have -----------------------------------------------------------------
+# -- metadata no model can have ----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_gguf_block_count_memory_bomb(tiny_llama, tmp_path):
     """2**40 layers: the expected-tensor table for every layer used to exhaust memory first."""
@@ -377,7 +379,7 @@ def test_hf_chat_template_config_of_the_wrong_kind(tiny_llama, tmp_path):
     expect(ModelFormatError, folder, "tokenizer_config.json")
 
 
-# -- finding 6: wallbreaker-quantized folders ---------------------------------------------------------
+# -- wallbreaker-quantized folders --------------------------------------------------------------------
 def _quantized_folder(tiny, tmp_path: Path, mutate=None) -> Path:
     """The tiny model with one Linear stored quantized with activation order (a `g_idx`)."""
     from safetensors.torch import load_file, save_file
@@ -429,7 +431,7 @@ def test_quantized_folder_with_bad_quantization_config(tiny_llama, tmp_path, qcf
     expect(ModelFormatError, folder, fragment)
 
 
-# -- finding 6: ModelConfig refuses what no loader may pass on -----------------------------------------------
+# -- ModelConfig refuses what no loader may pass on ----------------------------------------------------------
 BASE = dict(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2,
             num_heads=4, num_kv_heads=2, head_dim=16)
 
@@ -483,7 +485,7 @@ def test_open_model_lets_typed_errors_through(tmp_path):
         open_model(tmp_path / "x.gguf")
 
 
-# -- finding 7: deriving SentencePiece merges is linear in a long token ------------------------------------------
+# -- deriving SentencePiece merges is linear in a long token -----------------------------------------------------
 def _old_merges_from_vocab(vocab, ranks):
     """The unbounded original, the reference for the order of the merges."""
     merges = []

@@ -1,6 +1,6 @@
-"""Eight good streaming requests run beside a stream of bad ones, one for each hardening finding
-that a request can carry. The good ones must finish with exactly the text they give alone, the KV
-blocks must return to zero, and /health must answer 200 throughout.
+"""The server isolates requests: eight good streaming requests run beside a stream of bad ones (one
+for each malformed or hostile input a request can carry). The good ones must finish with exactly the
+text they give alone, the KV blocks must return to zero, and /health must answer 200 throughout.
 
 The server is real (uvicorn on loopback, the settings `serve` uses) but runs in this process, so
 that its model can carry two faults a request can reach: 64 padded embedding rows that win every

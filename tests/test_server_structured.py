@@ -147,7 +147,7 @@ def test_invalid_schema_regex_or_grammar_is_400_naming_the_problem(client, const
 
 
 def test_a_schema_past_the_compile_limit_and_an_invalid_one_are_400_while_four_streams_go_on(tiny_llama):
-    """Acceptance 4: compilation runs off the engine thread, bounded in time; the four streams that
+    """Grammar compilation runs off the engine thread, bounded in time; the four streams that
     run meanwhile give exactly what they give alone. The tiny model writes a hundred tokens in a
     few tens of milliseconds, faster than the two bad requests are answered, so while the streams
     run each engine step waits 3 ms more (480 steps: at least 1.4 s), and both bad requests go only

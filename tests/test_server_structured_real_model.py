@@ -1,8 +1,8 @@
-"""Acceptance 1 of issue 23, on the embedded SmolLM2 through the official `openai` client: json_schema
-output validates for 20 seeds at temperature 0.8, streamed and not; json_object output parses; named
-and required tool choice give tool_calls whose arguments fit the parameters; logit_bias -100 bans
-the token greedy would choose and +100 forces one. (test_server_structured.py has the rest, on a
-tiny model.)"""
+"""The server's structured output on a real model, the embedded SmolLM2, through the official
+`openai` client: json_schema output validates for 20 seeds at temperature 0.8, streamed and not;
+json_object output parses; named and required tool choice give tool_calls whose arguments fit the
+parameters; logit_bias -100 bans the token greedy would choose and +100 forces one.
+(test_server_structured.py has the rest, on a tiny model.)"""
 from __future__ import annotations
 
 import json
