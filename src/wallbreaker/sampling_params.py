@@ -193,11 +193,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
-    @property
-    def restricts_tokens(self) -> bool:
-        """Whether some tokens may be masked out at a step (a grammar, allowed_token_ids, bad_words)."""
-        return bool(self.structured_outputs or self.allowed_token_ids or self.bad_words)
-
 
 def _fail(message: str) -> NoReturn:
     raise InvalidRequestError(message)

@@ -44,9 +44,6 @@ class QuantGrid:
     def sym_zero(self) -> float:
         return float(1 << (self.bits - 1))
 
-    def with_bits(self, bits: int) -> "QuantGrid":
-        return QuantGrid(bits, self.group_size, self.sym)
-
     def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero point of each row of `w` [..., n] over its last dim: ([...], [...])."""
         w = w.float()

@@ -99,8 +99,3 @@ class BlockPool:
             return
         block.hash, block.token_ids = block_hash, token_ids
         self._cached[block_hash] = block
-
-    def reset_prefix_cache(self) -> None:
-        for block in self._cached.values():
-            block.hash, block.token_ids = None, ()
-        self._cached.clear()
