@@ -6,7 +6,7 @@ output head), and the K/V of every sequence's context in the cache dtype. It com
 2 FLOPs per matmul weight per token, plus attention over the context. So
 
     memory bound  = B · bandwidth / bytes_per_step(B, context)      (grows with B, falls with context)
-    compute bound = FLOP/s / flops_per_token(context)               (the same for every B)
+    compute bound = FLOP/s / FLOPs per token(context)               (the same for every B)
 
 and decoding turns compute-bound at the batch where the two meet. Speculative decoding can pass
 the memory bound (several tokens per weight read): a `roofline_fraction` above 1 means it did.
@@ -82,10 +82,6 @@ class DecodeCost:
     @property
     def params(self) -> int:
         return sum(self.matmul_params.values())
-
-    def flops_per_token(self, context: int) -> float:
-        positions = attended_positions(self.layer_windows, context)
-        return 2.0 * self.params + self.attn_flops_per_layer_position * positions
 
     def memory_bound(self, bandwidth: float, batch: int, context: int) -> float:
         """Tokens/s (all sequences together) that `bandwidth` bytes/s allows."""

@@ -46,9 +46,6 @@ class WeightSource:
     def tensor(self, name: str) -> torch.Tensor:
         return self.weights[name].load().to(self.dtype)
 
-    def has(self, name: str) -> bool:
-        return name in self.weights
-
     def attention_heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
         """The query and KV heads this rank holds: all of them without tensor parallelism."""
         if self.shard is None:
