@@ -7,13 +7,13 @@ from ..config import EngineConfig, ModelConfig
 from ..formats import ModelFiles
 from ..layers.shard import Shard
 from .base import CausalLM
-from .gemma3 import Gemma3CausalLM
+from .gemma import GemmaCausalLM
 from .llama import LlamaCausalLM
 from .source import WeightSource
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "llama": LlamaCausalLM, "qwen2": LlamaCausalLM, "qwen3": LlamaCausalLM, "qwen3moe": LlamaCausalLM,
-    "phi3": LlamaCausalLM, "gemma2": Gemma3CausalLM, "gemma3": Gemma3CausalLM,
+    "phi3": LlamaCausalLM, "gemma2": GemmaCausalLM, "gemma3": GemmaCausalLM,
 }  # mixtures of experts (Mixtral is llama, Qwen3-MoE qwen3moe) swap the MLP: models/moe.py
 
 

@@ -1,5 +1,5 @@
 """What every architecture is: embeddings, a stack of decoder layers, a final norm, the output head.
-An architecture (llama.py, gemma3.py) supplies the class of its layers."""
+An architecture (llama.py, gemma.py) supplies the class of its layers."""
 from __future__ import annotations
 
 import torch

@@ -2,7 +2,7 @@
 scaling), SmolLM2, Mistral (a sliding window), Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm) and Phi-3
 (whose fused q/k/v and gate/up the loaders present as the separate projections) are all this block.
 
-Gemma 2 and 3 (gemma3.py) reuse these pieces and change the block around them; Mixtral and
+Gemma 2 and 3 (gemma.py) reuse these pieces and change the block around them; Mixtral and
 Qwen3-MoE (moe.py) replace the MLP by a mixture of experts.
 """
 from __future__ import annotations

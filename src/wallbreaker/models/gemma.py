@@ -14,7 +14,7 @@ from .llama import Attention, feed_forward
 from .source import WeightSource
 
 
-class Gemma3DecoderLayer(DirectModule):
+class GemmaDecoderLayer(DirectModule):
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p, eps = f"blk.{layer}.", cfg.rms_norm_eps
@@ -31,5 +31,5 @@ class Gemma3DecoderLayer(DirectModule):
         return h, self.post_mlp_norm(self.mlp(self.mlp_norm.add_and_norm(h, attn)))
 
 
-class Gemma3CausalLM(CausalLM):
-    layer_class = Gemma3DecoderLayer
+class GemmaCausalLM(CausalLM):
+    layer_class = GemmaDecoderLayer
