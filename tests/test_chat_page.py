@@ -4,6 +4,9 @@ Each server runs in this process (`running_server`), so a test can shape what th
 the tiny random-weight model decodes about a thousand tokens a second here, too fast to watch a
 reply grow or to stop one mid-way, so its detokenizer is paced to one token every PACE_S; and the
 hostile-reply test makes the server stream `<script>` and `<img onerror>` whatever the model says.
+A streamed reply is checked against what the user would get from the API: the page shows the text
+of the same seeded request made through the official `openai` client, and the figures under it are
+that response's usage and timings that fit the time the reply took.
 
 WALLBREAKER_CHAT_SCREENSHOT=PATH saves the mid-stream screenshot there (else under pytest's tmp
 path); WALLBREAKER_CHAT_PAGE_MODEL=smollm2 (or any model) runs the streaming test on a real model,
@@ -12,13 +15,17 @@ unpaced (docs/chat-page.png was taken so).
 from __future__ import annotations
 
 import os
+import re
+import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+from openai.types import CompletionUsage
 from server_apps import running_server
 from server_process import free_port, scrape_metrics, wait_for_metric
 
@@ -170,6 +177,86 @@ def stats_of(browser):
         "return m.parentElement.querySelector('.stats').innerText;")
 
 
+# The stats under a reply, one span each: "TTFT 182 ms" ("1.20 s" past a second), "31.4 tok/s",
+# "48 tokens" (the usage; "~48 tokens", counted chunks, where a stopped reply has none), "prompt 37", "length".
+STATS = re.compile(r"TTFT\s+(?P<ttft>[\d.]+)\s*(?P<unit>ms|s)\s+(?P<rate>[\d.]+)\s*tok/s\s+(?P<approx>~?)"
+                   r"(?P<tokens>\d+)\s*tokens\s+prompt\s+(?P<prompt>\d+)\s+(?P<finish>\w+)")
+
+
+def api_reply(url: str, conversation: list[dict], settings: dict) -> tuple[str, str, CompletionUsage]:
+    """(text, finish reason, usage) of the request the page makes for `conversation` with the
+    settings in its fields, made through the official client and streamed as the page streams it.
+    Its cache salt gives it a prefix cache of its own, so that it finds there what the page's request
+    found: the earlier turns of its own conversation, nothing of the page's."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "system", "content": settings["system"]}, *conversation],
+        temperature=settings["temperature"], top_p=settings["top_p"], seed=settings["seed"],
+        max_tokens=settings["max_tokens"], stream=True, stream_options={"include_usage": True},
+        extra_body={"cache_salt": "api", **({"ignore_eos": True} if settings["ignore_eos"] else {})})
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+    assert usage is not None and finish is not None
+    return text, finish, usage
+
+
+def shown_as_reply(browser, text: str) -> str:
+    """`text` as the page shows a reply: rendered by its own markdown.js into a message element
+    beside the newest, and read back as the user sees it (innerText)."""
+    return browser.execute_async_script(
+        "const [text, done] = arguments;"
+        "import('/static/markdown.js').then(({ renderMarkdown }) => {"
+        "  const reply = [...document.querySelectorAll('#messages [data-role=\"assistant\"]')].pop();"
+        "  const probe = reply.cloneNode(false);"
+        "  probe.removeAttribute('data-role');"
+        "  probe.append(renderMarkdown(text));"
+        "  reply.after(probe);"
+        "  const shown = probe.innerText;"
+        "  probe.remove();"
+        "  done(shown);"
+        "}, (e) => done(`markdown.js failed: ${e}`));", text)
+
+
+def assert_reply_is_the_apis(browser, url: str, conversation: list[dict], settings: dict, took_s: float) -> str:
+    """The newest reply on the page is the text the API gives the same request (same messages, seed
+    and sampling settings), and the stats under it are that response's usage and timings that fit in
+    the `took_s` seconds the reply took to come, as the test saw it. Returns the API's text."""
+    text, finish, usage = api_reply(url, conversation, settings)
+    reply = last(browser, "assistant")
+    shown = reply_state(browser)[1]
+    assert text.strip(), "the API gave an empty reply: nothing to compare"
+    assert shown == shown_as_reply(browser, text), f"the page shows {shown!r}, the API gave {text!r}"
+    # And the rendering keeps every word of it (a fenced block adds its language and a copy button).
+    words = iter(re.findall(r"[^\W_]+", shown))
+    assert all(word in words for word in re.findall(r"[^\W_]+", text)), f"{shown!r} lost words of {text!r}"
+
+    stats = STATS.fullmatch(" ".join(stats_of(browser).split()))
+    assert stats, f"the stats do not parse: {stats_of(browser)!r}"
+    assert stats["approx"] == "" and int(stats["tokens"]) == usage.completion_tokens, (stats[0], usage)
+    assert int(stats["prompt"]) == usage.prompt_tokens, (stats[0], usage)
+    assert stats["finish"] == finish == reply.get_attribute("data-finish-reason")
+    ttft_s = float(stats["ttft"]) / (1000 if stats["unit"] == "ms" else 1)
+    tokens_per_s = float(stats["rate"])
+    assert ttft_s > 0 and tokens_per_s > 0, stats[0]
+    decode_s = (usage.completion_tokens - 1) / tokens_per_s  # the page's time from the first text to the last
+    assert ttft_s + decode_s <= took_s + 0.05, f"{stats[0]}: more than the {took_s:.2f} s the reply took"
+    if not REAL_MODEL:  # each token takes PACE_S: a rate far above 1 / PACE_S is miscomputed
+        assert tokens_per_s <= 2 / PACE_S, f"{stats[0]}: faster than the paced model can go"
+    return text
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a PNG file, from its header."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
 # Tests -----------------------------------------------------------------------------------------
 
 def test_page_and_assets_are_served_with_a_strict_policy(chat_server):
@@ -189,29 +276,35 @@ def test_page_and_assets_are_served_with_a_strict_policy(chat_server):
         assert missing.status_code == 404 and set(missing.json()) == {"error"}, name
 
 
+FIRST_QUESTION = ("Hi!", "What can you do?")
+SECOND_QUESTION = "Write a Python function that reverses a string, and show how to call it."
+
+
 def test_reply_streams_token_by_token(browser, chat_server, tmp_path):
     real = bool(REAL_MODEL)
     open_page(browser, chat_server)
-    set_field(browser, "system", "You are a concise assistant. Answer in Markdown.")
-    set_field(browser, "temperature", 0 if real else 0.8)
-    set_field(browser, "seed", 7)
-    set_field(browser, "max_tokens", 48)
-    set_field(browser, "ignore_eos", not real)  # the tiny model may end at once; a real one would ramble on
+    settings = {"system": "You are a concise assistant. Answer in Markdown.", "temperature": 0 if real else 0.8,
+                "top_p": 0.9, "seed": 7, "max_tokens": 48,
+                "ignore_eos": not real}  # the tiny model may end at once; a real one would ramble on
+    for name, value in settings.items():
+        set_field(browser, name, value)
 
     # A first question over two lines (Shift+Enter), sent with Enter.
-    type_prompt(browser, "Hi!", "What can you do?")
+    type_prompt(browser, *FIRST_QUESTION)
+    sent = time.monotonic()
     press(browser, "ENTER")
-    assert last(browser, "user").text == "Hi!\nWhat can you do?"
+    assert last(browser, "user").text == "\n".join(FIRST_QUESTION)
     assert browser.find_element("id", "prompt").get_attribute("value") == ""
-    first = wait_reply(browser)
-    assert first.strip()
-    stats = stats_of(browser)
-    assert "TTFT" in stats and "tok/s" in stats and "tokens" in stats, stats
-    assert last(browser, "assistant").get_attribute("data-finish-reason") in ("length", "stop"), stats
+    wait_reply(browser)
+    took_s = time.monotonic() - sent
+    conversation = [{"role": "user", "content": "\n".join(FIRST_QUESTION)}]
+    first = assert_reply_is_the_apis(browser, chat_server, conversation, settings, took_s)
 
     # A second one, sampled while it streams: the text grows, and the screenshot is taken mid-stream.
-    set_field(browser, "max_tokens", 160 if real else 64)  # about 2 s paced: the panel polls once a second
-    type_prompt(browser, "Write a Python function that reverses a string, and show how to call it.")
+    settings["max_tokens"] = 160 if real else 64  # about 2 s paced: the panel polls once a second
+    set_field(browser, "max_tokens", settings["max_tokens"])
+    type_prompt(browser, SECOND_QUESTION)
+    sent = time.monotonic()
     browser.find_element("css selector", "button#send").click()
     screenshot = Path(os.environ.get("WALLBREAKER_CHAT_SCREENSHOT") or tmp_path / "chat-page.png")
     lengths, shot = [], False
@@ -222,6 +315,7 @@ def test_reply_streams_token_by_token(browser, chat_server, tmp_path):
             browser.save_screenshot(str(screenshot))  # mid-stream, the live panel showing the request
             shot = True
         time.sleep(0.05)
+    took_s = time.monotonic() - sent
     assert state[0] == "done", state
     growth = sorted(set(lengths))
     assert len(growth) >= 4, f"the reply did not grow while streaming: {lengths}"
@@ -229,8 +323,11 @@ def test_reply_streams_token_by_token(browser, chat_server, tmp_path):
     assert all(b >= a - 8 for a, b in zip(lengths, lengths[1:])), f"the streamed text shrank: {lengths}"
     assert len(state[1]) >= growth[-1] - 8
     assert shot, "the live panel never showed the request running"
-    assert screenshot.stat().st_size > 10_000
+    assert png_size(screenshot) == tuple(browser.execute_script("return [window.innerWidth, window.innerHeight]"))
     assert len(browser.find_elements("css selector", '#messages [data-role="assistant"]')) == 2
+    # The page sends the whole conversation, its first reply as the assistant's turn.
+    conversation += [{"role": "assistant", "content": first}, {"role": "user", "content": SECOND_QUESTION}]
+    assert_reply_is_the_apis(browser, chat_server, conversation, settings, took_s)
 
 
 def test_stop_aborts_the_request_and_frees_its_blocks(browser, chat_server):
