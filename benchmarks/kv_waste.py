@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from wallbreaker.cli import add_engine_flags, engine_options
+from wallbreaker.engine.client import EngineRequest
 from wallbreaker.engine.llm_engine import LLMEngine
 from wallbreaker.engine.scheduler import Scheduler
 from wallbreaker.formats import open_model, resolve_model_path
@@ -57,9 +58,9 @@ def simulated_engine(model: str | None, block_size: int, num_blocks: int, max_nu
     cfg = files.config
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     block_manager = BlockManager(BlockPool(num_blocks, enable_prefix_caching=True), block_size)
-    scheduler = Scheduler(block_manager, max_num_seqs, max_batched_tokens)
+    scheduler = Scheduler(block_manager, max_num_seqs, max_batched_tokens, max_len)
     eos = frozenset(cfg.eos_token_ids) | files.tokenizer.stop_token_ids
-    return LLMEngine(StubRunner(cfg.vocab_size), files.tokenizer, block_manager, scheduler, max_len, eos), max_len
+    return LLMEngine(StubRunner(cfg.vocab_size), files.tokenizer, scheduler, eos), max_len
 
 
 def real_engine(model: str | None, options: dict, num_blocks: int) -> tuple[LLMEngine, int]:
@@ -80,7 +81,7 @@ def simulate(engine: LLMEngine, max_len: int, requests: list[tuple[int, int]]) -
     reserved_tight = {}
     for i, (prompt_len, out_len) in enumerate(requests):
         ids = prompt_ids(engine.tokenizer, prompt_len, f"kv waste {i}")
-        rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
+        rid = engine.add_request(EngineRequest(ids, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)))
         reserved_tight[rid] = min(prompt_len + out_len, max_len)
     trace = []
     while engine.has_unfinished():

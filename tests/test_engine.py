@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from wallbreaker import LLM, InvalidRequestError, SamplingParams
+from wallbreaker.engine.client import EngineRequest
 from wallbreaker.kv.cache import bytes_per_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -46,14 +47,14 @@ def test_batched_and_continuous_greedy_equals_each_prompt_alone(model_dir):
     assert [o.outputs[0].token_ids for o in together] == expected
     # requests arriving while others decode
     engine = llm.engine
-    ids, pending = [], list(enumerate(prompts))
+    ids, pending, done = [], list(enumerate(prompts)), {}
     while pending or engine.has_unfinished():
         for _ in range(3):
             if pending:
                 i, p = pending.pop(0)
-                ids.append((i, engine.add_request(p, GREEDY)))
-        engine.step()
-    assert [engine.pop_finished(rid).outputs[0].token_ids for _, rid in ids] == expected
+                ids.append((i, engine.add_request(EngineRequest(p, GREEDY))))
+        done.update((o.request_id, o) for o in engine.step().finished)
+    assert [done[rid].outputs[0].token_ids for _, rid in ids] == expected
     assert llm.stats()["kv_blocks_used"] == 0
 
 
@@ -86,17 +87,18 @@ def test_n_samples_share_the_prompt_blocks_once(model_dir):
     prompt = prompt[:500] if len(prompt) >= 500 else (prompt * 500)[:500]
     params = SamplingParams(n=8, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)
     engine = llm.engine
-    rid = engine.add_request(prompt, params)
+    engine.add_request(EngineRequest(prompt, params))
     engine.step()  # the prompt's prefill, then the fork into 8
     prompt_blocks = -(-len(prompt) // 16)
     used = llm.stats()["kv_blocks_used"]
     # one copy of the prompt's blocks, plus at most one private tail block per sample
     assert prompt_blocks <= used <= prompt_blocks + 8
-    seqs = engine.requests[rid].seqs
+    seqs = engine.scheduler.running
     assert len(seqs) == 8 and all(s.block_table[:-1] == seqs[0].block_table[:-1] for s in seqs)
+    finished = []
     while engine.has_unfinished():
-        engine.step()
-    out = engine.pop_finished(rid)
+        finished += engine.step().finished
+    out, = finished
     assert len(out.outputs) == 8 and len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert llm.stats()["kv_blocks_used"] == 0
 
@@ -121,7 +123,8 @@ def test_kv_waste_stays_small_while_decoding(model_dir):
     rng = random.Random(5)
     for p in prompts_of_mixed_lengths(llm, 32, seed=5):
         prompt = (p * 500)[: rng.randint(400, 470)]
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 40), ignore_eos=True))
+        engine.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 40),
+                                                                ignore_eos=True)))
     worst = 0.0
     while engine.has_unfinished():
         engine.step()
@@ -135,7 +138,8 @@ def test_kv_waste_stays_small_while_decoding(model_dir):
 def test_abort_frees_blocks_at_once(model_dir):
     llm = make_llm(model_dir)
     engine = llm.engine
-    rid = engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    rid = engine.add_request(EngineRequest(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=100,
+                                                                               ignore_eos=True)))
     engine.step()
     engine.step()
     assert llm.stats()["kv_blocks_used"] > 0
@@ -158,12 +162,12 @@ def test_beam_search_matches_transformers_and_shares_blocks(tiny, model_dir):
     llm = make_llm(model_dir, kv_block_size=4)
     hf = tiny.load_hf()
     used: list[int] = []
-    forward = llm.engine.forward
+    run = llm.engine.runner.run
 
     def counting(batch, *args, **kw):
-        used.append(llm.engine.block_manager.pool.num_used)  # blocks held as each step runs
-        return forward(batch, *args, **kw)
-    llm.engine.forward = counting
+        used.append(llm.stats()["kv_blocks_used"])  # blocks held as each step runs
+        return run(batch, *args, **kw)
+    llm.engine.runner.run = counting
     for prompt in prompts_of_mixed_lengths(llm, 3, seed=6) + [list(range(3, 27))]:
         used.clear()
         out = llm.beam_search([{"prompt_token_ids": prompt}], beam_width=4, max_tokens=8, ignore_eos=True)[0]

@@ -11,6 +11,7 @@ import torch
 from tiny_models import write_padded_vocab_model
 
 from wallbreaker import LLM, EngineError, InvalidRequestError, SamplingParams
+from wallbreaker.engine.client import EngineRequest
 from wallbreaker.engine.model_runner import ModelRunner
 from wallbreaker.kv.cache import bytes_per_block
 
@@ -71,13 +72,14 @@ def poisoned(llm: LLM, monkeypatch) -> None:
 
 def run_engine(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     engine = llm.engine
-    ids = [engine.add_request(p, params) for p in prompts]
+    ids = [engine.add_request(EngineRequest(p, params)) for p in prompts]
+    done = {}
     for _ in range(500):
         if not engine.has_unfinished():
             break
-        engine.step()
+        done.update((o.request_id, o) for o in engine.step().finished)
     assert not engine.has_unfinished()
-    return {rid: engine.pop_finished(rid) for rid in ids}
+    return {rid: done[rid] for rid in ids}
 
 
 def test_a_step_failing_on_one_sequence_fails_that_request_alone(tiny_llama, monkeypatch, caplog):
@@ -124,7 +126,7 @@ def test_a_step_that_fails_only_together_is_raised_rather_than_retried_forever(t
 def test_token_ids_are_checked_before_any_step(tiny_llama, bad):
     llm = LLM(tiny_llama.gguf_path, dtype="float32", kv_cache_memory_gb=0.01)
     with pytest.raises(InvalidRequestError):
-        llm.engine.add_request(bad, GREEDY)
+        llm.engine.add_request(EngineRequest(bad, GREEDY))
     assert not llm.engine.has_unfinished()
 
 

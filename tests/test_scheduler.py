@@ -1,11 +1,11 @@
-"""Scheduler: token budget and chunked prefill, seats, decode-first order, preemption of the newest.
-Each step runs through the engine's own forward (the runner, the KV commit) over a stand-in model."""
+"""Scheduler: token budget and chunked prefill, seats, decode-first order, preemption of the newest,
+and a step's aftermath. Each step runs the model runner over a stand-in model, then the scheduler's
+own `update_from_output`, which commits what was computed and appends the sampled tokens."""
 import torch
 
 from wallbreaker.config import ModelConfig
-from wallbreaker.engine.llm_engine import LLMEngine
 from wallbreaker.engine.model_runner import ModelRunner
-from wallbreaker.engine.scheduler import Scheduler
+from wallbreaker.engine.scheduler import Append, Scheduler, StepOutput
 from wallbreaker.engine.sequence import Sequence, SequenceStatus
 from wallbreaker.kv import BlockManager, BlockPool, KVCache
 from wallbreaker.sampling_params import SamplingParams
@@ -35,18 +35,16 @@ def make_seq(i: int, n_prompt: int) -> Sequence:
 
 
 def scheduler(num_blocks=64, max_num_seqs=8, budget=16) -> Scheduler:
-    return Scheduler(BlockManager(BlockPool(num_blocks), BS), max_num_seqs, budget)
+    return Scheduler(BlockManager(BlockPool(num_blocks), BS), max_num_seqs, budget, max_model_len=10_000)
 
 
 def step(s: Scheduler):
-    """One schedule, then the engine's forward, which writes and commits what it computed; each
-    sequence it reports caught up samples token 7 (the sampler's place)."""
+    """One schedule, the runner, then the scheduler's aftermath; each sequence the runner reports
+    caught up samples token 7 (the sampler's place)."""
     batch = s.schedule()
     runner = ModelRunner(NoModel(), KVCache(CONFIG, s.block_manager.pool.num_blocks, BS, torch.float32), "cpu")
-    engine = LLMEngine(runner, None, s.block_manager, s, max_model_len=10_000, eos_token_ids=frozenset())
-    caught_up, _ = engine.forward(batch)
-    for seq in caught_up:
-        seq.token_ids.append(7)
+    caught_up, _ = runner.run(batch)
+    s.update_from_output(batch, StepOutput(appends=[Append(seq, [7], [0.0], [[]]) for seq in caught_up]))
     return batch
 
 

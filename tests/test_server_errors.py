@@ -139,12 +139,12 @@ def test_full_queue_is_429(tiny_llama, monkeypatch):
     app = make_app(tiny_llama.gguf_path, max_num_seqs=1, max_queue=1)
     engine = app.state.server.engine
     gate = threading.Event()
-    real_step = engine.engine.step
+    real_step = engine.client.step
 
     def held_step():
         gate.wait(timeout=30)
         return real_step()
-    monkeypatch.setattr(engine.engine, "step", held_step)
+    monkeypatch.setattr(engine.client, "step", held_step)
 
     async def three() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:

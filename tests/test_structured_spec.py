@@ -11,6 +11,7 @@ from test_spec import N_SAMPLES, chi_square_pvalue_is_tiny, llm, prompts
 from tiny_models import make_tiny_model
 
 from wallbreaker import LLM, SamplingParams
+from wallbreaker.engine.client import EngineRequest
 from wallbreaker.engine.structured_output import StructuredOutputs
 from wallbreaker.sampling_params import StructuredOutputsParams as Constraint
 
@@ -59,8 +60,8 @@ def test_a_forbidden_draft_is_rejected_and_the_matcher_rolls_back(target):
     rejected, the best allowed token takes its place, and the matcher is where it was."""
     spec = llm(target, speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
     engine, tok = spec.engine, spec.tokenizer
-    engine.add_request(tok.encode("Hello"), SamplingParams(temperature=0, max_tokens=20,
-                                                           structured_outputs=Constraint(regex=r"[a-z]{3,30}")))
+    engine.add_request(EngineRequest(tok.encode("Hello"), SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=Constraint(regex=r"[a-z]{3,30}"))))
     engine.step()  # the prompt, and a first letter
     seq = engine.scheduler.running[0]
     letter, digit, other = (tok.encode(t, add_special_tokens=False)[0] for t in ("ab", "7", "c"))

@@ -18,7 +18,12 @@ class UnsupportedModelError(WallbreakerError):
 
 
 class InvalidRequestError(WallbreakerError, ValueError):
-    """A request the engine cannot serve: bad sampling parameters, empty or too-long prompt."""
+    """A request the engine cannot serve: bad sampling parameters, empty or too-long prompt. `param`
+    names the request's field at fault where it is not the prompt (the server's error says it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class WorkerFailedError(WallbreakerError):

@@ -1,6 +1,7 @@
 """`LLM`: the Python front door, shaped like vLLM's. Loads a model, builds the engine, runs batches."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -10,10 +11,11 @@ from typing import Any, Iterator, Sequence as Seq
 import torch
 
 from .config import EngineConfig
+from .engine.client import EngineRequest, RequestOutput, StepFailure, StreamDelta
 from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
-from .engine.outputs import RequestOutput, StreamDelta
 from .engine.scheduler import Scheduler
+from .engine.structured_output import StructuredOutputs
 from .errors import EngineError, InvalidRequestError
 from .formats import ModelFiles, open_model
 from .kv import BlockManager, BlockPool
@@ -22,7 +24,7 @@ from .layers.linear import module_bytes
 from .layers.shard import check_splittable
 from .models import load_model
 from .sampling_params import SamplingParams
-from .spec_decode.draft import DraftProposer
+from .spec_decode.draft import DraftProposer, check_vocabularies
 from .spec_decode.speculator import Speculator
 
 logger = logging.getLogger("wallbreaker")
@@ -31,7 +33,16 @@ logger = logging.getLogger("wallbreaker")
 PromptType = str | list[int] | dict  # dict: {"prompt": str} or {"prompt_token_ids": [...]}, and "cache_salt"
 
 
-def _raise_step_failure(failures: list, num_requests: int) -> None:
+def as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a dict, a list of token ids) or a batch of them -> the batch. The one
+    place that tells the two apart, for `LLM` and the server's completions."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                            and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)
+
+
+def _raise_step_failure(failures: list[StepFailure], num_requests: int) -> None:
     first = failures[0]
     detail = " ".join(str(first.error).split())[:300]  # one line, whatever the error's own text
     raise EngineError(f"{len(failures)} of {num_requests} requests failed in a model step (error id "
@@ -65,19 +76,19 @@ class LLM:
         num_blocks = self._num_blocks(max_len)
         max_len = self._fit_context(max_len, num_blocks * bs)
         self.max_model_len = max_len
+        vocab_limit = self.tokenizer.vocab_size
         if self.config.tensor_parallel_size == 1:
             self.model = load_model(files, self.config, device)
             self.kv_cache = make_kv_cache(files.config, self.config, num_blocks, device)
-            runner = ModelRunner(self.model, self.kv_cache, device)
+            runner = ModelRunner(self.model, self.kv_cache, device, vocab_limit)
         else:
-            runner = self._start_tensor_parallel(files, num_blocks)
+            runner = self._start_tensor_parallel(files, num_blocks, vocab_limit)
             self.model, self.kv_cache = runner.model, runner.kv_cache
-        runner.vocab_limit = min(self.tokenizer.vocab_size, files.config.vocab_size)
-        block_manager = BlockManager(BlockPool(num_blocks, self.config.enable_prefix_caching), bs)
-        scheduler = Scheduler(block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
-        self.engine = LLMEngine(runner, self.tokenizer, block_manager, scheduler, max_len, eos,
-                                self._speculator(max_len))
+        structured = StructuredOutputs(self.tokenizer, eos)
+        speculator = self._speculator(max_len, structured) if self.config.speculative_method else None
+        self.engine = LLMEngine(runner, self.tokenizer, self._scheduler(num_blocks, max_len), eos, structured,
+                                speculator)
         self.weight_bytes_resident = module_bytes(self.model)
         self.load_time_s = time.perf_counter() - start
 
@@ -101,13 +112,18 @@ class LLM:
         return default_num_blocks(self.model_config, c.kv_block_size, c.kv_cache_torch_dtype, c.kv_cache_memory_gb,
                                   c.max_num_seqs * max_len)
 
-    def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int) -> ModelRunner:
+    def _scheduler(self, num_blocks: int, max_len: int) -> Scheduler:
+        c = self.config
+        pool = BlockPool(num_blocks, c.enable_prefix_caching)
+        return Scheduler(BlockManager(pool, c.kv_block_size), c.max_num_seqs, c.max_num_batched_tokens, max_len)
+
+    def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int, vocab_limit: int) -> ModelRunner:
         """Start the workers (or join torchrun's ranks) and load rank 0's shard; see parallel/."""
         from .parallel.launcher import launch
         check_splittable(files.config, self.config.tensor_parallel_size)
         self.workers = launch(self.config)
         weakref.finalize(self, self.workers.shutdown)  # an LLM dropped without shutdown() still stops them
-        return self.workers.start_runner(files, self.config, num_blocks)
+        return self.workers.start_runner(files, self.config, num_blocks, vocab_limit)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
@@ -120,17 +136,28 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _speculator(self, max_len: int) -> Speculator | None:
+    def _speculator(self, max_len: int, structured: StructuredOutputs) -> Speculator:
         c = self.config
-        if c.speculative_method is None:
-            return None
         draft = None
         if c.speculative_method == "draft":
-            draft_llm = LLM(c.speculative_model, dtype=c.dtype, device=c.device, kv_block_size=c.kv_block_size,
-                            kv_cache_memory_gb=c.kv_cache_memory_gb, max_num_seqs=c.max_num_seqs,
-                            max_model_len=max_len, enable_prefix_caching=c.enable_prefix_caching)
-            draft = DraftProposer(draft_llm, self.tokenizer)
+            draft = self._draft_proposer(max_len, structured)
         return Speculator(c.speculative_method, c.num_speculative_tokens, max_len, draft, c.speculative_adaptive)
+
+    def _draft_proposer(self, max_len: int, structured: StructuredOutputs) -> DraftProposer:
+        """The draft model with a runner, KV pool and scheduler of its own (its pool sized as the
+        target's, by `kv_cache_memory_gb`; its KV pages in the default dtype)."""
+        c = self.config
+        files = open_model(c.speculative_model)
+        check_vocabularies(self.tokenizer, files.tokenizer)
+        config = dataclasses.replace(c, model=c.speculative_model, kv_cache_dtype="auto", speculative_method=None,
+                                     speculative_model=None, tensor_parallel_size=1)
+        device = torch.device(c.device)
+        num_blocks = default_num_blocks(files.config, c.kv_block_size, config.kv_cache_torch_dtype,
+                                        c.kv_cache_memory_gb, c.max_num_seqs * max_len)
+        model = load_model(files, config, device)
+        runner = ModelRunner(model, make_kv_cache(files.config, config, num_blocks, device), device,
+                             files.tokenizer.vocab_size)
+        return DraftProposer(runner, self._scheduler(num_blocks, max_len), structured)
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -162,9 +189,7 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        encoded = [(*self.encode(p), _cache_salt(p)) for p in prompts]
+        encoded = [(*self.encode(p), _cache_salt(p)) for p in as_prompt_list(prompts)]
         return self._run(encoded, sampling_params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -182,7 +207,7 @@ class LLM:
         ids = []
         try:
             for (text, token_ids, salt), p in zip(encoded, params_list):
-                ids.append(self.engine.add_request(token_ids, p, prompt=text, cache_salt=salt))
+                ids.append(self.engine.add_request(EngineRequest(token_ids, p, text, cache_salt=salt)))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
@@ -191,17 +216,16 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="requests", unit="req")
-        done: set[str] = set()
+        done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
-            for delta in self.engine.step():
-                if bar is not None and delta.finish_reason and self.engine.requests[delta.request_id].finished \
-                        and delta.request_id not in done:
-                    done.add(delta.request_id)
+            for output in self.engine.step().finished:
+                done[output.request_id] = output
+                if bar is not None:
                     bar.update(1)
         if bar is not None:
             bar.close()
-        failed = [self.engine.requests[rid].failure for rid in ids if self.engine.requests[rid].failure]
-        outputs = [self.engine.pop_finished(rid) for rid in ids]
+        outputs = [done[rid] for rid in ids]
+        failed = [o.failure for o in outputs if o.failure is not None]
         if failed:
             _raise_step_failure(failed, len(ids))
         return outputs
@@ -217,20 +241,20 @@ class LLM:
         yield from self._stream(text, token_ids, sampling_params or SamplingParams())
 
     def _stream(self, text, token_ids, params, cache_salt: str | None = None) -> Iterator[StreamDelta]:
-        rid = self.engine.add_request(token_ids, params, prompt=text, cache_salt=cache_salt)
+        rid = self.engine.add_request(EngineRequest(token_ids, params, text, cache_salt=cache_salt))
         try:
             while True:
-                mine = [delta for delta in self.engine.step() if delta.request_id == rid]
-                request = self.engine.requests[rid]
-                if not request.finished:
+                result = self.engine.step()
+                mine = [delta for delta in result.deltas if delta.request_id == rid]
+                output = next((o for o in result.finished if o.request_id == rid), None)
+                if output is None:
                     yield from mine
                     continue
-                output = self.engine.pop_finished(rid)
                 if mine:
                     mine[-1].output = output
                 yield from mine
-                if request.failure is not None:
-                    _raise_step_failure([request.failure], 1)
+                if output.failure is not None:
+                    _raise_step_failure([output.failure], 1)
                 return
         finally:
             self.engine.abort(rid)
@@ -240,9 +264,7 @@ class LLM:
         """Beam search; returns one `BeamSearchOutput` a prompt, its sequences best first. With
         `structured_outputs` (a `StructuredOutputsParams`) every beam fits its grammar."""
         from .engine.beam_search import beam_search
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return beam_search(self.engine, [self.encode(p)[1] for p in prompts], beam_width, max_tokens,
+        return beam_search(self.engine, [self.encode(p)[1] for p in as_prompt_list(prompts)], beam_width, max_tokens,
                            length_penalty, ignore_eos, structured_outputs)
 
     def logits(self, prompt: PromptType, chunk_size: int | None = None) -> torch.Tensor:

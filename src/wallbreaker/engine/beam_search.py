@@ -15,7 +15,7 @@ from ..layers.sampler import apply_token_mask, top_logprobs
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .detokenizer import IncrementalDetokenizer
 from .llm_engine import LLMEngine
-from .scheduler import ScheduledBatch
+from .scheduler import StepOutput
 from .sequence import Sequence
 
 
@@ -46,7 +46,7 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, ma
         raise InvalidRequestError("beam_width and max_tokens must be at least 1")
     if engine.has_unfinished():
         raise InvalidRequestError("beam search runs on an idle engine")
-    bm = engine.block_manager
+    scheduler = engine.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=structured_outputs)
     grammar = engine.structured.compile(params.structured_outputs) if params.structured_outputs else None
     beams: list[list[tuple[Sequence, float]]] = []
@@ -62,13 +62,12 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, ma
             live = [(p, seq, cum) for p, group in enumerate(beams) for seq, cum in group]
             if not live:
                 break
-            batch = ScheduledBatch()
-            for _, seq, _ in live:
-                room = bm.reserve(seq, seq.num_tokens - seq.num_computed_tokens)
-                if room is None or seq.num_computed_tokens + room[0] != seq.num_tokens:
-                    raise InvalidRequestError("the KV cache is too small for this beam search")
-                batch.add(seq, *room)
-            seqs, logits = engine.forward(batch)
+            batch = scheduler.schedule_these([seq for _, seq, _ in live])
+            if len(batch) < len(live) or any(s.num_computed_tokens + n != s.num_tokens
+                                             for s, n in zip(batch.seqs, batch.num_new_tokens)):
+                raise InvalidRequestError("the KV cache is too small for this beam search")
+            seqs, logits = engine.runner.run(batch)
+            scheduler.update_from_output(batch, StepOutput())
             logits = logits.float()
             mask = engine.structured.step_mask(seqs)
             if mask is not None:
@@ -99,10 +98,10 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, ma
                         if child.grammar.is_stopped:  # complete: nothing may follow
                             completed[p].append((child.output_token_ids, cum, "stop"))
                             continue
-                    bm.fork(parent, child)
+                    scheduler.fork(parent, child)
                     chosen.append((child, cum))
                 for seq, _ in group:
-                    bm.free(seq)
+                    scheduler.free(seq)
                 new_beams.append(chosen)
             beams = new_beams
         for p, group in enumerate(beams):
@@ -110,7 +109,7 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], beam_width: int, ma
     finally:
         for group in beams:
             for seq, _ in group:
-                bm.free(seq)
+                scheduler.free(seq)
     outputs = []
     for ids, done in zip(prompts, completed):
         seqs = []

@@ -24,15 +24,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    # Token ids at or past this never come out of a step: an embedding padded past the tokenizer
-    # (Qwen2.5: 151,936 rows for 151,665 tokens) has rows that no text stands for.
-    vocab_limit: int | None = None
-
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, vocab_limit: int | None = None):
+        """`vocab_limit`: token ids at or past it never come out of a step, because an embedding
+        padded past the tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens) has rows that no text
+        stands for. None: the model's vocabulary (a tensor-parallel worker, which never samples)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
+        self.vocab_limit = min(vocab_limit or model.config.vocab_size, model.config.vocab_size)
         layers = model.attention_layers()
         kv_cache.set_offsets([attn.kv_offsets() for attn in layers])
         for i, attn in enumerate(layers):
@@ -78,12 +78,12 @@ class ModelRunner:
                                       dtype=torch.int32, device=self.device).view(len(tables), width),
             query_start=torch.tensor(query_start, dtype=torch.int32, device=self.device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
-            prefills=prefills, num_paged_tokens=query_start[-1],
+            prefills=prefills, positions=torch.tensor(positions, device=self.device),
+            block_size=self.block_size, num_paged_tokens=query_start[-1],
         )
-        meta.positions = torch.tensor(positions, device=self.device)
         rows = None if all_logits else torch.tensor(sampling_rows, dtype=torch.long, device=self.device)
         logits = self.execute(StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows))
-        if self.vocab_limit is not None and logits.shape[-1] > self.vocab_limit:
+        if logits.shape[-1] > self.vocab_limit:
             logits[:, self.vocab_limit:] = float("-inf")
         return sampling_seqs, logits
 
@@ -91,7 +91,6 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> torch.Tensor:
         """The model over one step's inputs: K/V written into the cache, logits of `step.logit_rows`."""
         self.kv_cache.copy_blocks(step.copies)
-        step.meta.block_size = self.kv_cache.block_size
         hidden = self.model(step.input_ids, step.meta)
         if step.logit_rows is None:
             return self.model.logits(hidden)

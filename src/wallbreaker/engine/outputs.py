@@ -18,6 +18,15 @@ class CompletionOutput:
 
 
 @dataclass
+class StepFailure:
+    """A model step failed on this request's sequence alone: the error, and the id that names it in
+    the log (clients are told the id, never the error text)."""
+
+    error_id: str
+    error: Exception
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -25,6 +34,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, Any] = field(default_factory=dict)
+    failure: StepFailure | None = None  # set where a model step failed on this request
 
 
 @dataclass

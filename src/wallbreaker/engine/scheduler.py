@@ -1,10 +1,17 @@
-"""Continuous batching: which sequences run this step, and how many tokens each computes.
+"""Continuous batching, and the one owner of sequences and their KV blocks between steps.
 
-Every step, running sequences go first (oldest first), each taking what it lacks (one token when
+`schedule` decides which sequences run this step and how many tokens each computes. Every step, running sequences go first (oldest first), each taking what it lacks (one token when
 decoding, a chunk when prefilling) under a token budget; waiting sequences join while budget and
 seats remain. When the block pool runs dry, the newest running sequence is preempted: its blocks
 are freed and it waits again at the front of the queue, to be recomputed (its full blocks usually
 come straight back from the prefix cache).
+
+`update_from_output` is a step's whole aftermath, as nano-vllm's `postprocess` and vLLM's
+`update_from_output` are: what the step computed is committed (full blocks offered to the prefix
+cache), forks take their blocks, tokens are appended, rejected drafts' slots are trimmed, finished
+sequences are freed. No one else changes a block table after a step. Drivers that run sequences
+outside the queues (beam search, scoring, a draft model) ask `schedule_these` for room and hand
+their step to `update_from_output` the same way.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv import BlockManager
+from .outputs import StreamDelta
 from .sequence import Sequence, SequenceStatus
 
 
@@ -35,11 +43,34 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+@dataclass
+class Append:
+    """Tokens a step adds to a sequence: one sampled, or the drafts verification kept and the
+    target's own token after them."""
+
+    seq: Sequence
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+@dataclass
+class StepOutput:
+    """What the engine made of one model step."""
+
+    computed: bool = True  # False: the step failed; nothing it wrote is kept and its sequences run again
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child): n > 1 at the first sample
+    appends: list[Append] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # of requests that failed: finished with "error"
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -98,6 +129,63 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def schedule_these(self, seqs: list[Sequence], max_new_tokens: int | None = None,
+                       reuse_prefix: bool = True) -> ScheduledBatch:
+        """Room for sequences a driver runs outside the queues (beam search, scoring, a draft model),
+        each for the tokens it lacks, at most `max_new_tokens`: one holding no blocks starts (its cached
+        prefix reused, unless every position must be computed), one holding blocks appends. A sequence
+        the pool has no room for is left out of the batch."""
+        bm = self.block_manager
+        batch = ScheduledBatch()
+        for seq in seqs:
+            n = seq.num_tokens - seq.num_computed_tokens
+            if max_new_tokens is not None:
+                n = min(n, max_new_tokens)
+            if not seq.block_table:
+                n = bm.allocate_prompt(seq, n, reuse_prefix)
+                if n:
+                    batch.add(seq, n)
+            elif bm.can_append(seq, n):
+                batch.add(seq, n, bm.append_slots(seq, n))
+        return batch
+
+    def update_from_output(self, batch: ScheduledBatch, output: StepOutput) -> list[StreamDelta]:
+        """A step's aftermath (see the module docstring); the deltas to stream."""
+        bm = self.block_manager
+        scheduled = dict(zip(batch.seqs, batch.num_new_tokens))
+        for seq, n in scheduled.items():
+            if seq.is_finished:
+                continue
+            if not output.computed:  # the slots taken for this step go back; the next one redoes it
+                bm.trim(seq, seq.num_computed_tokens)
+            elif not seq.num_draft:  # drafts are committed below, as far as they are accepted
+                bm.commit(seq, n)
+        for parent, child in output.forks:
+            bm.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        deltas = []
+        for seq in output.failed:
+            if not seq.is_finished:
+                self.finish(seq, "error")
+                deltas.append(StreamDelta(seq.request_id, seq.index, "", [], [], [], "error"))
+        for a in output.appends:
+            seq = a.seq
+            if seq.is_finished:
+                continue
+            num_draft, computed = seq.num_draft, seq.num_computed_tokens
+            delta = seq.append(a.tokens, a.logprobs, a.top_logprobs, self.max_model_len)
+            deltas.append(delta)
+            if delta.finish_reason is not None:
+                self.finish(seq, delta.finish_reason)
+            elif num_draft:  # keep the K/V of what was accepted; release the rejected drafts' slots
+                computed += scheduled[seq] - num_draft + len(a.tokens) - 1
+                bm.commit(seq, computed - seq.num_computed_tokens)
+                bm.trim(seq, computed)
+        for seq in batch.seqs + self.running:  # verified, or not scheduled: either way done with
+            seq.drop_drafts()
+        return deltas
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -108,7 +196,35 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def admit_running(self, seq: Sequence) -> None:
-        """A sequence forked off a running one joins the running batch directly."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def live_stats(self) -> dict:
+        pool = self.block_manager.pool
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks}
+
+    def stats(self) -> dict:
+        """The queues and the pool: blocks, the tokens they hold, the share of slots wasted (the
+        unfilled tails of the running sequences' blocks), prefix-cache hits."""
+        pool = self.block_manager.pool
+        bs = self.block_manager.block_size
+        filled: dict[int, int] = {}
+        for seq in self.running:
+            for i, block_id in enumerate(seq.block_table):
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, max(seq.num_computed_tokens - i * bs, 0)))
+        slots = len(filled) * bs
+        stored = sum(filled.values())
+        return {**self.live_stats(), "kv_blocks_free": pool.num_free, "kv_block_size": bs,
+                "kv_tokens_stored": stored, "kv_waste_fraction": 1.0 - stored / slots if slots else 0.0,
+                "prefix_cache_queries": pool.prefix_queries, "prefix_cache_hits": pool.prefix_hits,
+                "num_preemptions": self.num_preemptions}
+
+    # -- for drivers whose sequences are outside the queues --------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (a beam); the first write to a shared tail copies it."""
+        self.block_manager.fork(parent, child)
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget `seq`'s K/V past `num_tokens` (a draft model's tokens its target did not keep)."""
+        self.block_manager.trim(seq, num_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)

@@ -18,6 +18,7 @@ import torch
 
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
+from .outputs import StreamDelta
 
 if TYPE_CHECKING:
     from .structured_output import GrammarMatcher
@@ -100,6 +101,52 @@ class Sequence:
             self.draft_probs = None
         elif self.draft_probs is not None:
             self.draft_probs = self.draft_probs[:keep]
+
+    def append(self, tokens: list[int], logprobs: list[float], tops: list[list[tuple[int, float]]],
+               max_model_len: int) -> StreamDelta:
+        """Append tokens, stopping at the first that ends the sequence (its `finish_reason` is then
+        set; freeing its blocks is the scheduler's). The delta to stream."""
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        want = self.params.logprobs is not None
+        text, reason, kept = "", None, 0
+        for token, lp, top in zip(tokens, logprobs, tops):
+            self.token_ids.append(token)
+            if self.grammar is not None and token not in self.stop_token_ids:
+                self.grammar.accept(token)  # allowed by its mask; a matcher that failed fails the next mask
+            kept += 1
+            if want:
+                self.logprobs.append(lp)
+                self.top_logprobs.append(top)
+            piece, reason = self._check_stop(token, max_model_len)
+            text += piece
+            if reason is not None:
+                if self.detokenizer is not None and not self.detokenizer.stopped:
+                    text += self.detokenizer.flush()
+                self.finish_reason = reason
+                break
+        return StreamDelta(self.request_id, self.index, text, tokens[:kept], logprobs[:kept] if want else [],
+                           tops[:kept] if want else [], reason)
+
+    def _check_stop(self, token: int, max_model_len: int) -> tuple[str, str | None]:
+        """The text this token adds to the output, and the finish reason if it ends the sequence."""
+        params = self.params
+        if token in self.stop_token_ids:
+            if token in (params.stop_token_ids or ()):  # the model's own EOS leaves it None, as in vLLM
+                self.stop_reason = token
+            return "", "stop"
+        text = self.detokenizer.push(token) if self.detokenizer is not None else ""
+        if self.detokenizer is not None and self.detokenizer.stopped:
+            self.stop_reason = self.detokenizer.stop_string
+            return text, "stop"
+        if self.grammar is not None and self.grammar.is_stopped and not self.grammar.is_error:
+            return text, "stop"  # the grammar is complete: nothing but an end of sequence could follow
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return text, "length"
+        if self.num_tokens >= max_model_len:
+            return text, "length"
+        return text, None
 
     @property
     def output_token_ids(self) -> list[int]:

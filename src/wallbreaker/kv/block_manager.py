@@ -61,19 +61,6 @@ class BlockManager:
         self._grow(seq, computed + num_new)
         return num_new
 
-    def reserve(self, seq: PagedSequence, max_new_tokens: int,
-                reuse_prefix: bool = True) -> tuple[int, list[tuple[int, int]]] | None:
-        """Room for up to `max_new_tokens` more tokens of `seq`, for callers without a scheduler (beam
-        search, scoring, a draft model): a sequence holding no blocks starts (its cached prefix
-        reused, unless every position must be computed), one holding blocks appends. (tokens to
-        compute now, copies to run first), or None when the pool has no room."""
-        if not seq.block_table:
-            n = self.allocate_prompt(seq, max_new_tokens, reuse_prefix)
-            return (n, []) if n else None
-        if not self.can_append(seq, max_new_tokens):
-            return None
-        return max_new_tokens, self.append_slots(seq, max_new_tokens)
-
     def can_append(self, seq: PagedSequence, num_new_tokens: int) -> bool:
         end = seq.num_computed_tokens + num_new_tokens
         need = self.blocks_needed(end) - len(seq.block_table)

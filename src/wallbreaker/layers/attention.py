@@ -47,9 +47,9 @@ class AttentionMetadata:
     query_start: torch.Tensor  # [N + 1] int32: sequence n's tokens are rows query_start[n]..query_start[n+1]
     context_lens: torch.Tensor  # [N] int32: tokens in the cache after this step
     prefills: list[PrefillSpan]  # the longer chunks, rows after the paged ones
-    positions: torch.Tensor | None = None  # [T]
-    block_size: int = 16  # set by the runner from its KV cache
-    num_paged_tokens: int = 0  # rows 0 .. num_paged_tokens - 1 belong to the paged-kernel sequences
+    positions: torch.Tensor  # [T]
+    block_size: int  # tokens a KV block holds
+    num_paged_tokens: int  # rows 0 .. num_paged_tokens - 1 belong to the paged-kernel sequences
     _memo: dict = field(default_factory=dict, repr=False)  # per-step values every layer shares
 
     def rotary(self, rope, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

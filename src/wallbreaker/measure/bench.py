@@ -92,13 +92,14 @@ class Wallbreaker:
         return out
 
     def _concurrent(self, c: int, rep: int) -> dict[str, float]:
-        a, counters = self.args, self.llm.engine.counters
-        before = dict(counters)
+        a = self.args
+        before = self.llm.engine.stats()
         prompts = [self.ids(a.concurrent_prompt_tokens, f"conc {c} {rep} {i}") for i in range(c)]
         start = time.perf_counter()
         outs = self.llm.generate(prompts, self.params(a.concurrent_tokens))
         wall = time.perf_counter() - start
         generated = sum(o.metrics["num_generated_tokens"] for o in outs)
+        counters = self.llm.engine.stats()
         decode_s = counters["decode_time_s"] - before["decode_time_s"]
         decode_tokens = counters["decode_tokens"] - before["decode_tokens"]
         return {f"gen_tps@{c}": generated / wall, f"decode_tps@{c}": decode_tokens / decode_s if decode_s else None}

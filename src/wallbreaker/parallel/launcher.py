@@ -1,5 +1,5 @@
-"""Rank 0's side of the group: start the workers (or join torchrun's), hand them the model, send them
-every step (rank 0's model runner), stop them.
+"""Rank 0's side of the group: start the workers (or join torchrun's), hand them the model, stop them
+(each step reaches them through rank 0's model runner, parallel/runner.py).
 
 Workers started here are fresh interpreters (`python -m wallbreaker.parallel.worker`), not
 multiprocessing children: no re-import of the user's `__main__`, so a script needs no
@@ -21,15 +21,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..engine.model_runner import ModelRunner, StepInputs
 from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.weights import ModelFiles
-from ..kv.cache import KVCache, make_kv_cache
-from .channel import StepChannel
+from ..kv.cache import make_kv_cache
 from ..layers.shard import Shard
-from ..models import CausalLM, load_model
+from ..models import load_model
+from .channel import StepChannel
 from .group import (ParallelGroup, check_no_group, destroy_group, error_line, free_port, init_group, rank_device,
                     threads_per_rank, torchrun_env)
+from .runner import ParallelModelRunner
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -87,7 +87,7 @@ class Workers:
         """rank -> process id of the workers started here (none under torchrun)."""
         return {rank: p.pid for rank, p in self.procs.items()}
 
-    def start_runner(self, files: ModelFiles, config, num_blocks: int) -> "ParallelModelRunner":
+    def start_runner(self, files: ModelFiles, config, num_blocks: int, vocab_limit: int) -> ParallelModelRunner:
         """Hand the workers the model and its KV pool size, load rank 0's shard, wait for all."""
         spec = {"config": {**dataclasses.asdict(config), "model": None}, "model_path": str(files.path),
                 "num_blocks": num_blocks}
@@ -104,7 +104,7 @@ class Workers:
             self.shutdown()
             raise
         self._state = "running"
-        return ParallelModelRunner(model, kv_cache, self.group.device, self)
+        return ParallelModelRunner(model, kv_cache, self.group.device, vocab_limit, self)
 
     def fail(self, error: BaseException) -> WorkerFailedError:
         """Tear the group down after a failed collective; the error to raise, naming the rank that died."""
@@ -155,26 +155,6 @@ class Workers:
 
     def _failed_deaths(self) -> list[tuple[int, int]]:
         return [(r, c) for r, c in self.deaths if c != 0]
-
-
-class ParallelModelRunner(ModelRunner):
-    """Rank 0's model runner: each step's inputs go to the workers, then every rank runs the model."""
-
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, workers: Workers):
-        super().__init__(model, kv_cache, device)
-        self.workers = workers
-
-    def execute(self, step: StepInputs) -> torch.Tensor:
-        if self.workers.error is not None:
-            raise self.workers.error
-        try:
-            self.workers.channel.send(step)
-            return super().execute(step)
-        except RuntimeError as e:  # torch.distributed reports a dead or timed-out peer as RuntimeError
-            raise self.workers.fail(e) from None
-        except BaseException as e:  # anything else mid-step leaves the ranks out of step: stop them too
-            self.workers.fail(e)
-            raise
 
 
 def _spawn(rank: int, world_size: int, port: int, config) -> subprocess.Popen:

@@ -55,7 +55,7 @@ class LayerRunner:
             block_tables=torch.zeros(0, 1, dtype=torch.int32), query_start=torch.zeros(1, dtype=torch.int32),
             context_lens=torch.zeros(0, dtype=torch.int32),
             prefills=[PrefillSpan(j * L, L, L, torch.tensor([j])) for j in range(n)], positions=positions,
-            block_size=L)
+            block_size=L, num_paged_tokens=0)
         return meta
 
     @torch.no_grad()

@@ -1,8 +1,10 @@
 """The one engine loop of the server, and the handles request handlers hold.
 
 The engine is not thread-safe, so a single thread owns it. Handlers never touch it: they put
-commands (add, abort, a function to call) on a thread-safe queue, and the thread runs them between
-steps, in order. Each step's outputs go back to the event loop in one `call_soon_threadsafe`,
+commands (add, abort) on a thread-safe queue, and the thread runs them between steps, in order.
+The engine is reached through its door (engine/client.py) and nothing else; handlers may call its
+checks that read only fixed facts (`client.check_prompt`, `check_token_ids`, `cached_grammar`,
+`compile_grammar`) from their own threads. Each step's outputs go back to the event loop in one `call_soon_threadsafe`,
 into one asyncio queue per HTTP request. With nothing to run, the thread blocks on the command
 queue, so an idle server costs nothing.
 
@@ -22,30 +24,16 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
 
+from ..engine.client import EngineClient, EngineRequest, RequestOutput, StreamDelta
 from ..llm import LLM
-from ..engine.outputs import RequestOutput, StreamDelta
-from ..engine.structured_output import Grammar
-from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request, queue_full
 from .metrics import ServerMetrics
 
 logger = logging.getLogger("wallbreaker.server")
-T = TypeVar("T")
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    grammar: Grammar | None = None  # `params.structured_outputs` compiled (off this thread)
-    cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
 
 
 @dataclass
@@ -70,7 +58,7 @@ class RequestHandle:
         self.stream = stream  # False: only Finished/Failed events are sent
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._owner = owner
-        self._pending = {r.request_id: r.params.n for r in requests}
+        self._pending = {r.request_id: r.params.n for r in requests}  # request id -> sequences (seats)
 
     async def events(self, deadline: float | None = None) -> AsyncIterator[Event]:
         """Events until every request has finished; `TimeoutError` once the loop's clock passes
@@ -92,9 +80,9 @@ class RequestHandle:
         """Stop whatever is unfinished (no-op when all is done); its KV blocks are freed on the next
         turn of the engine loop."""
         if self._pending:
-            request_ids = list(self._pending)
-            self._release(request_ids)
-            self._owner._command(partial(self._owner._abort, request_ids, reason))
+            pending = dict(self._pending)
+            self._release(list(pending))
+            self._owner._command(partial(self._owner._abort, pending, reason))
 
     def _release(self, request_ids: list[str]) -> None:
         self._owner._release_seats(sum(self._pending.pop(rid, 0) for rid in request_ids))
@@ -106,17 +94,15 @@ class RequestHandle:
 
 class AsyncEngine:
     def __init__(self, llm: LLM, metrics: ServerMetrics | None = None, max_queue: int = 1024):
-        self.llm = llm
-        self.engine = llm.engine
+        self.client: EngineClient = llm.engine
         self.metrics = metrics or ServerMetrics()
         self.max_num_seqs = llm.config.max_num_seqs
         self.max_queue = max_queue
-        self.max_prompt_tokens = llm.max_model_len - 1  # the context never exceeds the KV pool
-        self.snapshot: dict = self.engine.live_stats()  # replaced (never mutated) by the engine thread
+        self.snapshot: dict = self.client.live_stats()  # replaced (never mutated) by the engine thread
         self._seats_used = 0
         self._seats_lock = threading.Lock()
         self._commands: queue.SimpleQueue[Callable[[], None] | object] = queue.SimpleQueue()
-        self._routes: dict[str, RequestHandle] = {}  # engine thread only
+        self._routes: dict[str, tuple[RequestHandle, int]] = {}  # request id -> (handle, n); engine thread only
         self._thread = threading.Thread(target=self._run, name="wallbreaker-engine", daemon=True)
         self._thread.start()
 
@@ -135,22 +121,6 @@ class AsyncEngine:
         handle = RequestHandle(self, requests, stream)
         self._command(partial(self._add, handle, requests))
         return handle
-
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """`fn(engine)` run on the engine thread, between two steps."""
-        self._check_alive()
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn(self.engine)
-            except Exception as e:
-                loop.call_soon_threadsafe(_settle, future, None, e)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
-        self._command(run)
-        return await future
 
     @property
     def queue_length(self) -> int:
@@ -180,15 +150,15 @@ class AsyncEngine:
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._run_commands(block=not self.engine.has_unfinished()):
-                if self.engine.has_unfinished():
+            while self._run_commands(block=not self.client.has_unfinished()):
+                if self.client.has_unfinished():
                     try:
                         self._step()
                     except Exception:
                         error_id = uuid.uuid4().hex[:16]
                         logger.exception("engine step failed (error id %s); failing the requests in flight", error_id)
                         self._fail_all(engine_failure(error_id))
-                self.snapshot = self.engine.live_stats()
+                self.snapshot = self.client.live_stats()
         finally:
             self._run_late_commands()
             self._fail_all(APIError(503, "the server shut down before the request finished",
@@ -226,14 +196,13 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for r in requests:
-                self.engine.add_request(r.prompt_token_ids, r.params, prompt=r.prompt, request_id=r.request_id,
-                                        grammar=r.grammar, cache_salt=r.cache_salt)
+                self.client.add_request(r)
                 added.append(r.request_id)
-                self._routes[r.request_id] = handle
+                self._routes[r.request_id] = (handle, r.params.n)
                 self.metrics.on_added(len(r.prompt_token_ids))
         except Exception as e:
             for rid in added:
-                self.engine.abort(rid)
+                self.client.abort(rid)
                 self._routes.pop(rid, None)
             if isinstance(e, ValueError):
                 error = bad_request(str(e))
@@ -243,54 +212,47 @@ class AsyncEngine:
                 error = engine_failure(error_id)
             _deliver({handle: [Failed(error)]})
 
-    def _abort(self, request_ids: list[str], reason: str) -> None:
+    def _abort(self, request_ids: Iterable[str], reason: str) -> None:
         for rid in request_ids:
-            if self._routes.pop(rid, None) is None:
+            route = self._routes.pop(rid, None)
+            if route is None:
                 continue  # already finished
-            n = self.engine.requests[rid].params.n if rid in self.engine.requests else 1
-            self.engine.abort(rid)
-            self.metrics.on_ended_early(rid, n, reason)
+            self.client.abort(rid)
+            self.metrics.on_ended_early(rid, route[1], reason)
 
     def _step(self) -> None:
-        deltas = self.engine.step()
+        result = self.client.step()
         now = time.perf_counter()
         events: dict[RequestHandle, list[Event]] = defaultdict(list)
-        ended: list[str] = []
-        for delta in deltas:
+        for delta in result.deltas:
             self.metrics.on_delta(delta, now)
-            handle = self._routes.get(delta.request_id)
-            if handle is None:
+            route = self._routes.get(delta.request_id)
+            if route is not None and route[0].stream:
+                events[route[0]].append(delta)
+        for output in result.finished:
+            route = self._routes.pop(output.request_id, None)
+            if route is None:
                 continue
-            if handle.stream:
-                events[handle].append(delta)
-            if delta.finish_reason is not None:
-                ended.append(delta.request_id)
-        for rid in dict.fromkeys(ended):
-            request = self.engine.requests.get(rid)
-            if request is None or not request.finished:
-                continue
-            failure = request.failure
-            output = self.engine.pop_finished(rid)
-            handle = self._routes.pop(rid)
-            if failure is not None:
-                self.metrics.on_ended_early(rid, request.params.n, "error")
-                events[handle].append(Failed(engine_failure(failure.error_id)))
+            handle, n = route
+            if output.failure is not None:
+                self.metrics.on_ended_early(output.request_id, n, "error")
+                events[handle].append(Failed(engine_failure(output.failure.error_id)))
             else:
                 self.metrics.on_finished(output)
                 events[handle].append(Finished(output))
-        self.snapshot = self.engine.live_stats()  # before the answers: a client that then scrapes sees it
+        self.snapshot = self.client.live_stats()  # before the answers: a client that then scrapes sees it
         _deliver(events)
 
     def _fail_all(self, error: Exception, reason: str = "error") -> None:
         events: dict[RequestHandle, list[Event]] = {}
-        for rid, handle in list(self._routes.items()):
+        for rid, (handle, _) in list(self._routes.items()):
             try:
                 self._abort([rid], reason)
             except Exception:  # the engine is in a bad way; still tell every handler
                 logger.exception("aborting %s failed", rid)
                 self._routes.pop(rid, None)
             events[handle] = [Failed(error)]
-        self.snapshot = self.engine.live_stats()
+        self.snapshot = self.client.live_stats()
         _deliver(events)
 
 
@@ -316,12 +278,3 @@ def _deliver(events: dict[RequestHandle, list[Event]]) -> None:
 def _receive_all(batch: list[tuple[RequestHandle, list[Event]]]) -> None:
     for handle, events in batch:
         handle._receive(events)
-
-
-def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..engine.outputs import RequestOutput, StreamDelta
+from ..engine.client import RequestOutput, StreamDelta
 
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)

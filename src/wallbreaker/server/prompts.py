@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import json
 
 from ..errors import InvalidRequestError
+from ..llm import as_prompt_list
 from .errors import bad_request
 from .protocol import ChatMessage
 from .tools import ToolPlan, template_messages
@@ -19,10 +20,7 @@ Encoded = tuple[str | None, list[int]]
 
 def completion_prompts(state: ServerState, prompt: str | list, max_tokens: int | None) -> list[Encoded]:
     """A string, a list of token ids, or a batch (list) of either -> one (text, token ids) a prompt."""
-    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+    prompts = as_prompt_list(prompt)
     if not prompts:
         raise bad_request("the prompt is empty", param="prompt")
     encoded = []
@@ -56,22 +54,13 @@ def chat_prompt(state: ServerState, messages: list[ChatMessage], max_tokens: int
 def _check_chars(state: ServerState, chars: int, param: str) -> None:
     if chars > state.max_prompt_chars:
         raise bad_request(f"the prompt has {chars} characters, more than this model's context could hold as "
-                          f"tokens ({state.engine.max_prompt_tokens} prompt tokens)", param=param)
+                          f"tokens ({state.llm.max_model_len - 1} prompt tokens)", param=param)
 
 
 def _checked(state: ServerState, ids: list[int], max_tokens: int | None, param: str) -> list[int]:
-    max_prompt_tokens = state.engine.max_prompt_tokens
-    if not ids:
-        raise bad_request("the prompt is empty", param=param)
-    if len(ids) > max_prompt_tokens:
-        raise bad_request(f"the prompt has {len(ids)} tokens; this model's context takes at most "
-                          f"{max_prompt_tokens} prompt tokens (one must be left to generate)", param=param)
+    """The engine's own check (its door's, thread-safe), as a 400 naming the field at fault."""
     try:
-        state.llm.engine.check_token_ids(ids)  # immutable engine facts: safe off the engine thread
+        state.engine.client.check_prompt(ids, max_tokens)
     except InvalidRequestError as e:
-        raise bad_request(str(e), param=param) from e
-    context = state.llm.max_model_len
-    if max_tokens is not None and len(ids) + max_tokens > context:
-        raise bad_request(f"this model's context is {context} tokens, but {len(ids) + max_tokens} were asked for "
-                          f"({len(ids)} in the prompt, max_tokens {max_tokens})", param="max_tokens")
+        raise bad_request(str(e), param=e.param or param) from e
     return ids

@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.outputs import RequestOutput
+from ..engine.client import RequestOutput
 from .access_log import AccessRecord
-from .async_engine import EngineRequest, RequestHandle
+from ..engine.client import EngineRequest
+from .async_engine import RequestHandle
 from .logprobs import chat_logprobs
 from .prompts import chat_prompt
 from .protocol import ChatCompletionRequest
@@ -30,7 +31,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params, source = chat_params(body, plan.spec if plan is not None and plan.forced else None)
     text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens, plan)
     grammar = await state.compile_grammar(params.structured_outputs, source)
-    engine_request = EngineRequest(chat_id, text, ids, params, grammar, body.cache_salt)
+    engine_request = EngineRequest(ids, params, text, chat_id, body.cache_salt, grammar)
     access.prompt_tokens = len(ids)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))
     parallel = body.parallel_tool_calls is not False

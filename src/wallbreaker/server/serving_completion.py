@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.outputs import RequestOutput, StreamDelta
+from ..engine.client import RequestOutput, StreamDelta
 from ..sampling_params import SamplingParams
 from .access_log import AccessRecord
-from .async_engine import EngineRequest, RequestHandle
+from ..engine.client import EngineRequest
+from .async_engine import RequestHandle
 from .logprobs import completion_logprobs
 from .prompts import completion_prompts
 from .protocol import CompletionRequest
@@ -25,7 +26,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     params, source = completion_params(body)
     prompts = await run_in_threadpool(completion_prompts, state, body.prompt, params.max_tokens)
     grammar = await state.compile_grammar(params.structured_outputs, source)
-    requests = [EngineRequest(f"{completion_id}-{i}", text, ids, params, grammar, body.cache_salt)
+    requests = [EngineRequest(ids, params, text, f"{completion_id}-{i}", body.cache_salt, grammar)
                 for i, (text, ids) in enumerate(prompts)]
     access.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     handle = state.engine.submit(requests, stream=bool(body.stream))

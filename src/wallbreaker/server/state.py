@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from ..engine.structured_output import Grammar, GrammarError
+from ..engine.client import Grammar, GrammarError
 from ..llm import LLM
 from ..sampling_params import StructuredOutputsParams
 from .access_log import AccessRecord
@@ -39,7 +39,7 @@ class ServerState:
         # No token stands for more characters than the longest one's bytes, so a longer text cannot
         # fit the context: refused before the tokenizer spends time on it. (Twice that: a normalizer
         # may compose characters, e.g. NFC's e + U+0301 into é.)
-        self.max_prompt_chars = 2 * self.engine.max_prompt_tokens * self.strings.longest_token_bytes()
+        self.max_prompt_chars = 2 * (self.llm.max_model_len - 1) * self.strings.longest_token_bytes()
 
     @property
     def request_timeout(self) -> float | None:
@@ -72,12 +72,12 @@ class ServerState:
         A compilation past the limit still finishes in its thread (llguidance bounds its work)."""
         if spec is None:
             return None
-        structured = self.llm.engine.structured
-        grammar = structured.cached(spec)
+        client = self.engine.client
+        grammar = client.cached_grammar(spec)
         if grammar is not None:
             return grammar
         limit = self.config.grammar_compile_timeout
-        future = asyncio.get_running_loop().run_in_executor(self.grammar_pool, structured.compile, spec)
+        future = asyncio.get_running_loop().run_in_executor(self.grammar_pool, client.compile_grammar, spec)
         try:
             return await asyncio.wait_for(future, limit)
         except TimeoutError:

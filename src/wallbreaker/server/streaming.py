@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..engine.outputs import RequestOutput, StreamDelta
+from ..engine.client import RequestOutput, StreamDelta
 from .access_log import AccessRecord
 from .async_engine import Finished, RequestHandle
 from .errors import APIError, request_timeout

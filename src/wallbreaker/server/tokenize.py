@@ -49,7 +49,7 @@ async def detokenize(request: Request, state: ServerState) -> Response:
     check_fields(body)
     state.check_model(body.model)
     try:
-        state.llm.engine.check_token_ids(body.tokens)  # immutable engine facts: safe off the engine thread
+        state.engine.client.check_token_ids(body.tokens)
     except InvalidRequestError as e:
         raise bad_request(str(e), param="tokens") from e
     text = await run_in_threadpool(state.llm.tokenizer.decode, body.tokens, False)

@@ -1,0 +1,62 @@
+"""The one door to the engine, for `LLM` and the server (vLLM's `EngineClient`): requests in, a step
+at a time, outputs out, stats, and the facts a request is checked against. Nothing above the engine
+reads its insides; `server/` imports from `engine/` only this module (tests/test_layering.py).
+
+`LLMEngine` is the one implementation. It is not thread-safe: one thread steps it. `check_prompt`,
+`check_token_ids`, `cached_grammar` and `compile_grammar` read only what is fixed at construction, so a server's
+handlers may call them from any thread before a request reaches the engine's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from .outputs import CompletionOutput, RequestOutput, StepFailure, StreamDelta
+from .structured_output import Grammar, GrammarError
+
+__all__ = ["CompletionOutput", "EngineClient", "EngineRequest", "Grammar", "GrammarError", "RequestOutput",
+           "StepFailure", "StepResult", "StreamDelta"]
+
+
+@dataclass
+class EngineRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None  # the text, where the prompt was one
+    request_id: str | None = None  # None: the engine names it
+    cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
+    grammar: Grammar | None = None  # `params.structured_outputs` compiled already (off the engine thread)
+
+
+@dataclass
+class StepResult:
+    deltas: list[StreamDelta]  # each sequence's new output in this step, for streaming
+    finished: list[RequestOutput]  # requests whose every sequence has ended; the engine forgets them
+
+
+class EngineClient(Protocol):
+    max_model_len: int  # tokens one sequence may reach, prompt included
+
+    def add_request(self, request: EngineRequest) -> str:
+        """Queue a request; its id. `InvalidRequestError` for one the engine must not run."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and forget it (no output comes for it); unknown ids are ignored."""
+        ...
+
+    def step(self) -> StepResult: ...
+    def has_unfinished(self) -> bool: ...
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int | None = None) -> None:
+        """`InvalidRequestError` for a prompt that is empty, past the context or outside the vocabulary."""
+        ...
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """`InvalidRequestError` for an id outside the vocabulary a step can produce."""
+        ...
+
+    def cached_grammar(self, spec: StructuredOutputsParams) -> Grammar | None: ...
+    def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar: ...
+    def live_stats(self) -> dict: ...
+    def stats(self) -> dict: ...
