@@ -105,3 +105,10 @@ def test_no_module_imports_itself_round_a_cycle():
 def test_the_package_root_holds_at_most_eight_modules():
     root_modules = sorted(p.name for p in ROOT.glob("*.py"))
     assert len(root_modules) <= 8, root_modules
+
+
+def test_the_server_reaches_the_engine_only_through_its_door():
+    """server/ imports from engine/ only engine/client.py (its types included): handlers never hold
+    the engine's insides."""
+    reached = sorted({b for a, b in imports(modules()) if unit(a) == "server" and unit(b) == "engine"})
+    assert reached == [f"{PACKAGE}.engine.client"], reached

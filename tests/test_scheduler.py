@@ -103,3 +103,71 @@ def test_finish_frees_blocks_at_once():
     assert s.block_manager.pool.num_used == 3
     s.finish(seq, "abort")
     assert s.block_manager.pool.num_used == 0 and not s.has_unfinished()
+
+
+def decoding(s: Scheduler, n_prompt: int) -> Sequence:
+    """A sequence past its prompt and first sample: one token behind, as decoding always is."""
+    seq = make_seq(1, n_prompt)
+    s.add(seq)
+    step(s)
+    return seq
+
+
+def test_verified_drafts_keep_what_was_accepted_and_release_the_rest():
+    s = scheduler(budget=64)
+    seq = decoding(s, 6)  # 7 tokens, 6 computed
+    seq.spec_token_ids = [1, 2, 3, 4, 5]
+    batch = s.schedule()
+    assert batch.num_new_tokens == [6] and len(seq.block_table) == 3  # room for 12 tokens
+    s.update_from_output(batch, StepOutput(appends=[Append(seq, [1, 2, 9], [0.0] * 3, [[]] * 3)]))
+    assert seq.token_ids[-3:] == [1, 2, 9] and seq.num_draft == 0
+    assert seq.num_computed_tokens == 9  # the last token and the two accepted drafts; 9 is not computed yet
+    assert len(seq.block_table) == 3 and s.block_manager.pool.num_used == 3
+    assert len(seq.block_hashes) == 2  # two full blocks offered to the prefix cache
+
+
+def test_rejected_drafts_free_the_blocks_they_took():
+    s = scheduler(budget=64)
+    seq = decoding(s, 7)  # 8 tokens, 7 computed: two blocks
+    seq.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    batch = s.schedule()
+    assert len(seq.block_table) == 4
+    s.update_from_output(batch, StepOutput(appends=[Append(seq, [9], [0.0], [[]])]))  # none accepted
+    assert seq.num_computed_tokens == 8 and len(seq.block_table) == 2 and s.block_manager.pool.num_used == 2
+
+
+def test_a_failed_step_commits_nothing_and_returns_the_slots_it_took():
+    s = scheduler(budget=64)
+    seq = decoding(s, 8)  # 9 tokens, 8 computed: two full blocks
+    batch = s.schedule()
+    assert batch.num_new_tokens == [1] and len(seq.block_table) == 3
+    s.update_from_output(batch, StepOutput(computed=False))
+    assert seq.num_computed_tokens == 8 and len(seq.block_table) == 2
+    assert step(s).num_new_tokens == [1] and seq.num_computed_tokens == 9  # the next step redoes it
+
+
+def test_a_fork_shares_its_parents_blocks_and_runs_at_once():
+    s = scheduler(budget=64)
+    parent = make_seq(1, 6)
+    s.add(parent)
+    batch = s.schedule()
+    child = make_seq(2, 6)
+    child.token_ids = list(parent.token_ids)
+    s.update_from_output(batch, StepOutput(forks=[(parent, child)], appends=[Append(parent, [7], [0.0], [[]]),
+                                                                           Append(child, [8], [0.0], [[]])]))
+    assert child.block_table == parent.block_table and child.num_computed_tokens == 6
+    assert child in s.running and child.status is SequenceStatus.RUNNING
+    assert s.block_manager.pool.num_used == 2
+    step(s)  # each writes its own token into the shared tail: copied on write
+    assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
+
+
+def test_a_sequence_that_stops_is_finished_and_freed_in_the_same_update():
+    s = scheduler()
+    seq = make_seq(1, 5)
+    seq.stop_token_ids = frozenset({2})
+    s.add(seq)
+    batch = s.schedule()
+    deltas = s.update_from_output(batch, StepOutput(appends=[Append(seq, [2], [0.0], [[]])]))
+    assert [d.finish_reason for d in deltas] == ["stop"] and seq.is_finished
+    assert s.block_manager.pool.num_used == 0 and not s.has_unfinished()
