@@ -112,8 +112,7 @@ class LLMEngine:
         state = Request(request_id, request.prompt, prompt_ids, params, salt, grammar if spec is not None else None,
                         self.structured.bad_words_ids(params.bad_words))
         seq = self._new_sequence(state, 0, list(prompt_ids),
-                                 state.grammar.matcher() if state.grammar is not None else None)
-        seq.pending_fork = params.n - 1
+                                 state.grammar.matcher() if state.grammar is not None else None, params.n - 1)
         self._requests[request_id] = state
         self.scheduler.add(seq)
         self.counters["prompt_tokens"] += len(prompt_ids)
@@ -150,7 +149,7 @@ class LLMEngine:
         return self.structured.compile(spec)
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int],
-                      grammar: GrammarMatcher | None = None) -> Sequence:
+                      grammar: GrammarMatcher | None = None, pending_fork: int = 0) -> Sequence:
         params = request.params
         generator = None
         if params.seed is not None:
@@ -160,9 +159,8 @@ class LLMEngine:
         stops = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(next(self._seq_ids), request.request_id, index, token_ids, len(request.prompt_token_ids),
                        params, detok, generator, stop_token_ids=stops, cache_salt=request.cache_salt,
-                       arrival_time=request.arrival_time)
-        seq.grammar = grammar
-        seq.bad_words_ids = request.bad_words_ids
+                       arrival_time=request.arrival_time, pending_fork=pending_fork, grammar=grammar,
+                       bad_words_ids=request.bad_words_ids)
         request.seqs.append(seq)
         return seq
 
@@ -265,8 +263,6 @@ class LLMEngine:
         request.failure = StepFailure(uuid.uuid4().hex[:16], error)
         logger.error("request %s failed in a model step (error id %s)", request_id, request.failure.error_id,
                      exc_info=error)
-        for seq in request.seqs:
-            seq.pending_fork = 0
         output.failed += [s for s in request.seqs if not s.is_finished]
 
     def _expand_forks(self, seqs: list[tuple[Sequence, int]], output: StepOutput) -> list[tuple[Sequence, int]]:
@@ -282,7 +278,6 @@ class LLMEngine:
                                                seq.grammar.fork() if seq.grammar is not None else None)
                     output.forks.append((seq, child))
                     rows.append((child, row))
-                seq.pending_fork = 0
         return rows
 
     def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor, output: StepOutput) -> None:
@@ -319,7 +314,6 @@ class LLMEngine:
         raw = torch.log_softmax(logits.float(), dim=-1)  # [K + 1, V]
         logprobs = [float(raw[j, t]) for j, t in enumerate(tokens)]
         tops = top_logprobs(raw[:len(tokens)], seq.params.logprobs or 0)
-        seq.record_verification(k, accepted)
         self.counters["spec_proposed"] += k
         self.counters["spec_accepted"] += accepted
         self.counters["spec_verify_steps"] += 1

@@ -161,6 +161,7 @@ class Scheduler:
             elif not seq.num_draft:  # drafts are committed below, as far as they are accepted
                 bm.commit(seq, n)
         for parent, child in output.forks:
+            parent.pending_fork = 0
             bm.fork(parent, child)
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
@@ -176,9 +177,11 @@ class Scheduler:
             num_draft, computed = seq.num_draft, seq.num_computed_tokens
             delta = seq.append(a.tokens, a.logprobs, a.top_logprobs, self.max_model_len)
             deltas.append(delta)
+            if num_draft:
+                seq.record_verification(num_draft, len(a.tokens) - 1)
             if delta.finish_reason is not None:
                 self.finish(seq, delta.finish_reason)
-            elif num_draft:  # keep the K/V of what was accepted; release the rejected drafts' slots
+            elif num_draft:  # keep the accepted drafts' K/V; release the rest
                 computed += scheduled[seq] - num_draft + len(a.tokens) - 1
                 bm.commit(seq, computed - seq.num_computed_tokens)
                 bm.trim(seq, computed)
