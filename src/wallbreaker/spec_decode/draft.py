@@ -1,5 +1,7 @@
-"""A draft model as proposer: a second, smaller model with its own paged KV cache, kept in step with
-each target sequence (its tokens re-synced, its cache trimmed back past any rejected drafts).
+"""A draft model as proposer: a second, smaller model with a model runner and paged KV cache of its
+own, kept in step with each target sequence (its tokens re-synced, its cache trimmed back past any
+rejected drafts). Its sequences never queue: its own scheduler gives them room (`schedule_these`)
+and takes each step's aftermath, as the target's does.
 
 A constrained target's drafts are drawn under the same constraints (a copy of its grammar matcher
 advancing on the drafts): q is then the masked distribution they came from, which keeps rejection
@@ -10,8 +12,10 @@ import time
 
 import torch
 
-from ..engine.scheduler import ScheduledBatch
+from ..engine.model_runner import ModelRunner
+from ..engine.scheduler import Scheduler, StepOutput
 from ..engine.sequence import Sequence
+from ..engine.structured_output import StructuredOutputs
 from ..errors import InvalidRequestError
 from ..layers.sampler import processed_probs, sample_from_probs
 
@@ -22,17 +26,17 @@ DRAFT_SEED_OFFSET = 0x9E3779B1
 
 
 class DraftProposer:
-    def __init__(self, draft_llm, target_tokenizer):
-        check_vocabularies(target_tokenizer, draft_llm.tokenizer)
-        self.llm = draft_llm
-        self.engine = draft_llm.engine
-        self.block_manager = draft_llm.engine.block_manager
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, structured: StructuredOutputs):
+        """`structured`: the target's constraints (the vocabularies are the same, `check_vocabularies`)."""
+        self.runner = runner
+        self.scheduler = scheduler
+        self.structured = structured
         self.seqs: dict[int, Sequence] = {}
 
     def forget_except(self, live_seq_ids: set[int]) -> None:
         """Free the draft cache of target sequences that ended (or were preempted)."""
         for seq_id in [s for s in self.seqs if s not in live_seq_ids]:
-            self.block_manager.free(self.seqs.pop(seq_id))
+            self.scheduler.free(self.seqs.pop(seq_id))
 
     def backlog(self, target: Sequence) -> int:
         """Tokens of `target` the draft's cache does not hold yet."""
@@ -53,20 +57,18 @@ class DraftProposer:
         steps, start = 0, time.perf_counter()
         stuck: set[int] = set()  # drafts whose constraints allow no token: no more for them
         while True:
-            batch = ScheduledBatch()
+            wanted = []
             for d, k in active:
                 i = slot_of[index[id(d)]]
-                if len(drafts[i]) >= k or (drafts[i] == [] and steps > 0) or i in stuck:
-                    continue
-                room = self.block_manager.reserve(d, d.num_tokens - d.num_computed_tokens)
-                if room is None:  # the draft's pool is full: no drafts for this one
-                    continue
-                batch.add(d, *room)
+                if not (len(drafts[i]) >= k or (drafts[i] == [] and steps > 0) or i in stuck):
+                    wanted.append(d)
+            batch = self.scheduler.schedule_these(wanted)  # one the draft's pool has no room for drafts nothing
             if not batch.seqs:
                 break
-            seqs, logits = self.engine.forward(batch)
+            seqs, logits = self.runner.run(batch)
+            self.scheduler.update_from_output(batch, StepOutput())
             q = processed_probs(logits, [d.params for d in seqs], [d.prompt_token_ids for d in seqs],
-                                [d.output_token_ids for d in seqs], self.engine.structured.step_mask(seqs))  # [B, V_draft]
+                                [d.output_token_ids for d in seqs], self.structured.step_mask(seqs))  # [B, V_draft]
             tokens = sample_from_probs(q, [d.generator for d in seqs]).tolist()
             alive = (q.sum(dim=-1) > 0).tolist()
             for row, (d, token) in enumerate(zip(seqs, tokens)):
@@ -98,7 +100,7 @@ class DraftProposer:
             if a != b:
                 break
             common += 1
-        self.block_manager.trim(d, min(d.num_computed_tokens, common))
+        self.scheduler.rollback(d, min(d.num_computed_tokens, common))
         d.token_ids = list(target.token_ids)
         return self._constrain(d, target)
 
