@@ -1,7 +1,8 @@
 """Builds wallbreaker's C++ extension, `wallbreaker._C`: quantized matmul kernels over GGUF blocks,
 and paged attention.
 
-One torch-facing file (ops.cpp, default flags) and one file per kernel level; the SIMD files set
+Three torch-facing files (ops.cpp, attention_ops.cpp, fused_ops.cpp; default flags) and one file
+per kernel level; the SIMD files set
 their instruction set with `#pragma GCC target` and include no torch header, so one build serves
 every x86-64 CPU and the level is chosen at run time (csrc/ops.cpp, docs/kernels.md).
 """
