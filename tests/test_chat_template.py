@@ -201,6 +201,13 @@ ATTACKS = {
     "slice count": "{{ range(3)|slice(1000000000)|list }}",
     "sum of lists": "{% set l = range(100000)|list %}{{ ([l] * 1000)|sum(start=[])|length }}",
     "urlize": "{{ ('a.b ' * 1000000)|urlize }}",
+    # Loops whose bodies call nothing, and growth that no intercepted operator sees (issue 33).
+    "bare loops over a string": "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% set c = b %}{% endfor %}{% endfor %}",
+    "~ of a list of references": ("{% set big = 'x' * 3000000 %}{% set l = [big, big, big, big, big, big, big, big] %}"
+                                  "{{ ([l, l, l, l, l, l, l, l, l, l] ~ '')|length }}"),
+    "doubling with ~ through macro calls": "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ f('ab', 64) }}",
+    "map(attribute=) over a long string": "{{ ('x' * 4000000)|map(attribute='a')|list|length }}",
+    "select over a long string": "{{ ('x' * 4000000)|select('string')|list|length }}",
 }
 
 
@@ -218,6 +225,48 @@ def test_attack_templates_fail_fast(name: str) -> None:
     assert time.perf_counter() - start < 2.5
     assert "\n" not in str(info.value)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 400 * 1024  # KiB
+
+
+@pytest.mark.parametrize("source", ["{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+                                    "{% for i in [1] recursive %}{{ loop([1]) }}{% endfor %}"])
+def test_unbounded_recursion_fails_cleanly(source: str) -> None:
+    with pytest.raises(InvalidRequestError, match="^chat template failed: RecursionError") as info:
+        ChatTemplate(source, None, None).render([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(info.value)
+
+
+def test_filters_that_take_the_context_still_work() -> None:
+    """Every filter is wrapped to check the limits; jinja must still pass the context, eval
+    context or environment to those that ask for it."""
+    source = ("{{ [3, 1, 3]|unique|list }} {{ 'a-b'|replace('-', '+') }} {{ messages|join(',', attribute='role') }} "
+              "{{ [{'n': 1}, {'n': 2}]|sum(attribute='n') }} {{ messages|map(attribute='content')|first }} "
+              "{{ [1, 2, 3]|select('odd')|list }} {{ messages|groupby('role')|length }} {{ 'a b'|wordwrap(1) }}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert ChatTemplate(source, None, None).render(messages) == "[3, 1] a+b user,assistant 3 hi [1, 3] 2 a\nb"
+
+
+def test_no_module_uses_jinja2_internals() -> None:
+    """The limits rest on jinja2's public API (the sandbox's hooks, extensions, syntax-tree nodes),
+    so that a jinja2 upgrade keeps them or fails loudly: no code generator subclass, no private name."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import wallbreaker
+
+    for path in Path(wallbreaker.__file__).parent.rglob("*.py"):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jinja2"):
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("jinja2")]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith("jinja2.compiler") and not re.search(r"\._(?!_)", name), f"{path}: {name}"
+        private = r"\bjinja2(\.\w+)*\._(?!_)|\b_[A-Z]\w*__\w|code_generator_class|CodeGenerator"
+        assert not re.search(private, text), f"{path}: {re.search(private, text)}"
 
 
 def test_lipsum_is_not_offered() -> None:
