@@ -287,4 +287,5 @@ def _weight_ref(t: GGUFTensor, cfg: ModelConfig) -> WeightRef:
         experts = [_weight_ref(GGUFTensor(f"{t.name}[{e}]", t.ggml_type, t.shape[1:], t.raw[e * per:(e + 1) * per]),
                                cfg) for e in range(n)]
     return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), load, raw=t.raw,
-                     load_part=part_loader(t, heads), blocks=blocks, blocks_part=blocks_part, experts=experts)
+                     load_part=part_loader(t, heads), blocks=blocks, blocks_part=blocks_part,
+                     blocks_mapped=blocks is not None and heads is None, experts=experts)

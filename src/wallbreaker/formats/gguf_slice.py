@@ -6,12 +6,11 @@ are exactly the slice; otherwise the covering blocks are decoded and trimmed (at
 a row of waste). llama q/k rows are un-permuted per head, so a row range must hold whole heads.
 
 The stored blocks themselves (for the quantized kernels) come from `block_loaders`: the rows as a
-view of the map where no row permutation applies, column ranges only where both ends fall on
-block boundaries.
+view of the map where no row permutation applies (llama q/k rows are copies), column ranges (always
+copies) only where both ends fall on block boundaries.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 
 from .dequant import block_info, dequantize
 from .gguf_file import GGUFTensor
+from .mapping import as_tensor
 from .names import llama_unpermute
 
 PartLoader = Callable[[int, int, int], torch.Tensor]
@@ -56,13 +56,6 @@ def part_loader(t: GGUFTensor, heads: int | None) -> PartLoader | None:
     return load_part
 
 
-def _as_tensor(a: np.ndarray) -> torch.Tensor:
-    """A torch view of (a part of) the read-only map; the kernels only read it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
-        return torch.from_numpy(a)
-
-
 def block_loaders(t: GGUFTensor, heads: int | None) -> tuple[Callable | None, Callable | None]:
     """(blocks, blocks_part) for `WeightRef`: [rows, row bytes] uint8 blocks in canonical row order
     (llama q/k rows un-permuted per head, by moving whole rows), and those of (dim, lo, hi)."""
@@ -81,7 +74,7 @@ def block_loaders(t: GGUFTensor, heads: int | None) -> tuple[Callable | None, Ca
 
     def rows(lo: int, hi: int) -> torch.Tensor:
         perm = order(lo, hi)
-        part = _as_tensor(grid[lo:hi])
+        part = as_tensor(grid[lo:hi])
         return part if perm is None else part[perm].contiguous()
 
     def blocks() -> torch.Tensor:

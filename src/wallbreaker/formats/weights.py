@@ -31,6 +31,7 @@ class WeightRef:
     # column range (None where a column bound cuts a block). None: no blocks are stored.
     blocks: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
     blocks_part: Callable[[int, int, int], torch.Tensor | None] | None = field(default=None, repr=False)
+    blocks_mapped: bool = False  # `blocks()` and row ranges of `blocks_part` are views of the file's mapping
     # A 3-D expert tensor [experts, out, in]: each expert's [out, in] as a WeightRef of its own
     # (its stored blocks a view of the file where it has them), so that a model never loads the rest.
     experts: list["WeightRef"] | None = field(default=None, repr=False)
@@ -68,7 +69,7 @@ def row_view(ref: WeightRef, name: str, lo: int, hi: int) -> WeightRef:
             cols = ref.blocks_part(1, a, b)
             return None if cols is None else cols[lo:hi].contiguous()
     return WeightRef(name, shape, ref.stored_type, nbytes, lambda: ref.load_slice(0, lo, hi), raw=None,
-                     load_part=load_part, blocks=blocks, blocks_part=blocks_part)
+                     load_part=load_part, blocks=blocks, blocks_part=blocks_part, blocks_mapped=ref.blocks_mapped)
 
 
 def stacked_experts(name: str, experts: list[WeightRef]) -> WeightRef:

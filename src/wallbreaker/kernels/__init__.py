@@ -80,6 +80,11 @@ def _row_permutation(qtype: T, row_bytes: int) -> torch.Tensor | None:
     return torch.cat(parts)
 
 
+def layout_is_stored(qtype: T) -> bool:
+    """True where the kernels read a format's rows in the file's own byte order (the K-quants)."""
+    return T(qtype) not in BLOCK32_TYPES
+
+
 def pack_rows(raw: torch.Tensor, qtype: T) -> torch.Tensor:
     """[N, row_bytes] uint8 blocks in file order -> the kernels' row layout (the same bytes)."""
     perm = _row_permutation(T(qtype), raw.shape[1])

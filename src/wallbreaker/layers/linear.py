@@ -40,12 +40,6 @@ class QuantLinear(DirectModule):
         self.register_buffer("bias", bias)
         self._bias = bias  # read on every call: a plain attribute, not nn.Module's buffer lookup
 
-    @classmethod
-    def from_blocks(cls, segments: list[tuple[torch.Tensor, int]], in_features: int,
-                    bias: torch.Tensor | None = None) -> "QuantLinear":
-        """Segments of blocks in the file's layout (`WeightRef.blocks`), packed once here."""
-        return cls([(qk.pack_rows(w, q), q) for w, q in segments], in_features, bias)
-
     def as_embedding(self, dtype: torch.dtype) -> nn.Module:
         """The same blocks read by rows, for a tied embedding: one copy serves both ends."""
         from .embedding import QuantizedEmbedding

@@ -5,6 +5,8 @@ import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..formats import ModelFiles
+from ..formats.packaged import cache_dir
+from ..kernels.repack_cache import RepackCache, source_identity
 from ..layers.shard import Shard
 from .base import CausalLM
 from .gemma import GemmaCausalLM
@@ -22,6 +24,20 @@ def build_model(config: ModelConfig, source: WeightSource) -> CausalLM:
 
 
 def load_model(files: ModelFiles, config: EngineConfig, device: torch.device, shard: Shard | None = None) -> CausalLM:
-    """The model, or under tensor parallelism this rank's shard of it."""
-    with torch.device(device):
-        return build_model(files.config, WeightSource(files.weights, config.torch_dtype, config.packed_weights, shard))
+    """The model, or under tensor parallelism this rank's shard of it. On the `auto` path, blocks the
+    kernels cannot read from the file's mapping come from the repack cache (kernels/repack_cache.py)."""
+    repack = None
+    if config.packed_weights:
+        where = "" if shard is None else f"{shard.rank}/{shard.world_size}"
+        repack = RepackCache(cache_dir() / "repack", source_identity(files.path, where))
+    try:
+        with torch.device(device):
+            model = build_model(files.config, WeightSource(files.weights, config.torch_dtype, config.packed_weights,
+                                                           shard, repack))
+    except BaseException:
+        if repack is not None:
+            repack.abort()
+        raise
+    if repack is not None:
+        repack.finish()
+    return model

@@ -8,24 +8,40 @@ layers that must talk across ranks come wrapped (layers/parallel.py); without, t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Literal
 
 import gguf
+import numpy as np
 import torch
 from torch import nn
 
+from .. import kernels as qk
+from ..formats.mapping import release_pages
 from ..formats.weights import WeightRef
 from ..kernels import SUPPORTED_TYPES
 from ..kernels.blocks import q4_1_blocks, q8_0_blocks
+from ..kernels.repack_cache import RepackCache
 from ..layers.embedding import Embedding, QuantizedEmbedding
 from ..layers.linear import Linear, QuantLinear
 from ..layers.shard import HeadShard, Shard, vocab_chunk
 
 T = gguf.GGMLQuantizationType
 
-# A segment's source: (float loader, stored-blocks loader or None, int-code grid loader or None).
-Segment = tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor | None] | None, Callable | None]
+
+
+@dataclass
+class Segment:
+    """One projection (or its slice) of a linear layer, and where its kernel blocks can come from."""
+
+    key: str  # the weight's name and slice, its name in the repack cache
+    load: Callable[[], torch.Tensor]  # float values
+    blocks: Callable[[], torch.Tensor | None] | None  # the stored blocks, in file layout
+    grid: Callable | None  # an int-code grid (wallbreaker-quantized folders)
+    qtype: T | None  # the stored blocks' type, where the kernels run it
+    mapped: bool  # `blocks()` is a view of the file's mapping already in the kernels' layout
+    raw: np.ndarray | None  # the stored bytes, whose mapped pages are given back once packed elsewhere
 
 
 def _stored_type(ref: WeightRef) -> T | None:
@@ -37,11 +53,15 @@ def _stored_type(ref: WeightRef) -> T | None:
 
 
 class WeightSource:
-    def __init__(self, weights: dict[str, WeightRef], dtype: torch.dtype, packed: bool, shard: Shard | None = None):
+    def __init__(self, weights: dict[str, WeightRef], dtype: torch.dtype, packed: bool, shard: Shard | None = None,
+                 repack: RepackCache | None = None):
+        """`repack`: where blocks the kernels cannot read from the file's mapping are written once and
+        mapped from (kernels/repack_cache.py); None keeps them in memory."""
         self.weights = weights
         self.dtype = dtype
         self.packed = packed
         self.shard = shard
+        self.repack = repack
 
     def tensor(self, name: str) -> torch.Tensor:
         return self.weights[name].load().to(self.dtype)
@@ -106,7 +126,7 @@ class WeightSource:
         from ..layers.parallel import AllReduce
         return AllReduce(self.shard)
 
-    def _segment(self, ref: WeightRef, dim: int | None = None, lo: int = 0, hi: int = 0) -> tuple[Segment, T | None]:
+    def _segment(self, ref: WeightRef, dim: int | None = None, lo: int = 0, hi: int = 0) -> Segment:
         whole = dim is None or (lo, hi) == (0, ref.shape[dim])
         load = ref.load if whole else partial(ref.load_slice, dim, lo, hi)
         qtype = _stored_type(ref)
@@ -118,29 +138,43 @@ class WeightSource:
             grid = ref.quant.load
         elif ref.quant is not None and dim == 0:
             grid = lambda: ref.quant.load().rows(lo, hi)  # noqa: E731
-        return (load, blocks, grid), qtype
+        mapped = blocks is not None and ref.blocks_mapped and qk.layout_is_stored(qtype) and (whole or dim == 0)
+        key = ref.name if whole else f"{ref.name}[{dim}:{lo}:{hi}]"
+        raw = ref.raw if isinstance(ref.raw, np.ndarray) else None
+        return Segment(key, load, blocks, grid, qtype, mapped, raw)
 
-    def _fused(self, segments: list[tuple[Segment, T | None]], in_features: int,
-               bias: torch.Tensor | None) -> nn.Module:
+    def _fused(self, segments: list[Segment], in_features: int, bias: torch.Tensor | None) -> nn.Module:
         bias = None if bias is None else bias.to(self.dtype)
         if not self.packed:
-            return Linear(torch.cat([load().to(self.dtype) for (load, _, _), _ in segments]), bias)
+            return Linear(torch.cat([seg.load().to(self.dtype) for seg in segments]), bias)
         if in_features % 32:
-            return Linear(torch.cat([load().to(torch.float32) for (load, _, _), _ in segments]), bias)
-        return QuantLinear.from_blocks([self._blocks(seg, qtype) for seg, qtype in segments], in_features, bias)
+            return Linear(torch.cat([seg.load().to(torch.float32) for seg in segments]), bias)
+        return QuantLinear([self._kernel_blocks(seg) for seg in segments], in_features, bias)
+
+    def _kernel_blocks(self, seg: Segment) -> tuple[torch.Tensor, T]:
+        """The segment's blocks in the kernels' layout: the file's mapping itself where it is already
+        that; else packed once into the repack cache and mapped from there."""
+        if seg.mapped:
+            return seg.blocks(), seg.qtype
+        make = partial(self._packed_blocks, seg)
+        if self.repack is None:
+            return make()
+        out = self.repack.packed(seg.key, make)
+        if seg.raw is not None:
+            release_pages(seg.raw)  # read to pack it (on a cache miss): counted once, in the cache file
+        return out
 
     @staticmethod
-    def _blocks(segment: Segment, qtype: T | None) -> tuple[torch.Tensor, T]:
-        """The segment's stored blocks; else Q4_1 of a <= 4-bit grid; else Q8_0 of its float values."""
-        load, blocks, grid = segment
-        stored = blocks() if blocks is not None else None
+    def _packed_blocks(seg: Segment) -> tuple[torch.Tensor, T]:
+        """The stored blocks; else Q4_1 of a <= 4-bit grid; else Q8_0 of the float values; packed."""
+        stored = seg.blocks() if seg.blocks is not None else None
         if stored is not None:
-            return stored, qtype
-        if grid is not None:
-            q4 = q4_1_blocks(grid())
+            return qk.pack_rows(stored, seg.qtype), seg.qtype
+        if seg.grid is not None:
+            q4 = q4_1_blocks(seg.grid())
             if q4 is not None:
-                return q4, T.Q4_1
-        return q8_0_blocks(load()), T.Q8_0
+                return qk.pack_rows(q4, T.Q4_1), T.Q4_1
+        return qk.pack_rows(q8_0_blocks(seg.load()), T.Q8_0), T.Q8_0
 
     def embedding_and_head(self, tie_word_embeddings: bool) -> tuple[nn.Module, nn.Module]:
         """The token embedding and the output head; a tied pair shares one copy of the table."""
