@@ -55,7 +55,7 @@ def run_one(model: str | None, options: dict, tp: int, max_tokens: int, batch: i
     pids = llm.workers.worker_pids if llm.workers else {}
     peaks = {0: vm_hwm_mib(), **{rank: vm_hwm_mib(pid) for rank, pid in pids.items()}}
     llm.shutdown()
-    weights = {0: llm.weight_bytes_resident / 2**20, **{r: shard_weights_mib(llm, r, tp) for r in range(1, tp)}}
+    weights = {0: llm.weight_bytes / 2**20, **{r: shard_weights_mib(llm, r, tp) for r in range(1, tp)}}
     return {"model": model or "smollm2", "dtype": dtype, "tensor_parallel_size": tp, "batch": batch,
             "max_tokens": max_tokens, "load_s": round(load_s, 2), "decode_tokens_per_s": round(max(rates), 2),
             "baseline_rss_mib": round(baseline, 1), "peak_rss_mib_per_rank": {r: round(v, 1) for r, v in peaks.items()},

@@ -8,6 +8,7 @@ import time
 import weakref
 from typing import Any, Iterator, Sequence as Seq
 
+import psutil
 import torch
 
 from .config import EngineConfig
@@ -20,7 +21,7 @@ from .errors import EngineError, InvalidRequestError
 from .formats import ModelFiles, open_model
 from .kv import BlockManager, BlockPool
 from .kv.cache import default_num_blocks, make_kv_cache
-from .layers.linear import module_bytes
+from .layers.linear import mapped_bytes, module_bytes
 from .layers.shard import check_splittable
 from .models import load_model
 from .sampling_params import SamplingParams
@@ -89,7 +90,8 @@ class LLM:
         speculator = self._speculator(max_len, structured) if self.config.speculative_method else None
         self.engine = LLMEngine(runner, self.tokenizer, self._scheduler(num_blocks, max_len), eos, structured,
                                 speculator)
-        self.weight_bytes_resident = module_bytes(self.model)
+        self.weight_bytes = module_bytes(self.model)
+        self.weight_bytes_mapped = mapped_bytes(self.model)  # read from the model file or the repack cache
         self.load_time_s = time.perf_counter() - start
 
     def _fit_context(self, max_len: int, pool_tokens: int) -> int:
@@ -110,7 +112,7 @@ class LLM:
         """KV blocks for the whole model (under tensor parallelism each rank holds its heads' share)."""
         c = self.config
         return default_num_blocks(self.model_config, c.kv_block_size, c.kv_cache_torch_dtype, c.kv_cache_memory_gb,
-                                  c.max_num_seqs * max_len)
+                                  c.max_num_seqs * max_len, self.files.weight_bytes)
 
     def _scheduler(self, num_blocks: int, max_len: int) -> Scheduler:
         c = self.config
@@ -153,7 +155,8 @@ class LLM:
                                      speculative_model=None, tensor_parallel_size=1)
         device = torch.device(c.device)
         num_blocks = default_num_blocks(files.config, c.kv_block_size, config.kv_cache_torch_dtype,
-                                        c.kv_cache_memory_gb, c.max_num_seqs * max_len)
+                                        c.kv_cache_memory_gb, c.max_num_seqs * max_len,
+                                        self.files.weight_bytes + files.weight_bytes)
         model = load_model(files, config, device)
         runner = ModelRunner(model, make_kv_cache(files.config, config, num_blocks, device), device,
                              files.tokenizer.vocab_size)
@@ -273,6 +276,10 @@ class LLM:
         return prompt_logits(self.engine, self.encode(prompt)[1], chunk_size)
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "weight_bytes_resident": self.weight_bytes_resident,
-                "kv_cache_bytes": self.kv_cache.nbytes,
-                "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch.")}
+        """The engine's counts, and memory: the weights (`weight_bytes_mapped` of them read from file
+        mappings, in the page cache; `weight_bytes_resident` in the process's own memory), the KV
+        pool, and the process's resident set."""
+        return {**self.engine.stats(), "weight_bytes": self.weight_bytes, "weight_bytes_mapped": self.weight_bytes_mapped,
+                "weight_bytes_resident": self.weight_bytes - self.weight_bytes_mapped,
+                "kv_cache_bytes": self.kv_cache.nbytes, "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
+                "rss_bytes": psutil.Process().memory_info().rss}

@@ -50,3 +50,27 @@ def release_pages(a: np.ndarray) -> None:
     end = (a.ctypes.data + a.nbytes) // _PAGE * _PAGE
     if end > start:
         _libc.madvise(start, end - start, _MADV_DONTNEED)
+
+
+def file_mappings() -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's file-backed mappings, sorted (Linux's /proc; empty elsewhere)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end, parts[5].removesuffix(" (deleted)")))
+    return sorted(out)
+
+
+def mapped_file(t: torch.Tensor, mappings: list[tuple[int, int, str]]) -> str | None:
+    """The file whose mapping holds `t`'s bytes, or None (the process's own memory)."""
+    ptr = t.data_ptr()
+    for start, end, path in mappings:
+        if start <= ptr < end:
+            return path if ptr + t.numel() * t.element_size() <= end else None
+    return None

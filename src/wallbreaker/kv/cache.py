@@ -14,12 +14,16 @@ nothing where garbage could be NaN) and touched up front: a first write to a fre
 page fault, which the first decode steps would otherwise pay."""
 from __future__ import annotations
 
+import logging
+
 import psutil
 import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..layers.attention import LayerKV
 from ..layers.shard import Shard, local_kv_config
+
+logger = logging.getLogger("wallbreaker.kv")
 
 QUANTIZED_KV_DTYPES = frozenset({torch.int8, torch.float8_e4m3fn})
 
@@ -72,7 +76,8 @@ class KVCache:
         return self.tensor.numel() * self.tensor.element_size() + extra
 
 
-DEFAULT_MAX_GB = 2.0  # zeroed at start, so the default stays modest
+DEFAULT_MAX_GB = 4.0  # pages are zeroed on first touch, so an unused pool costs nothing, but a host shares its memory
+HEADROOM_GB = 1.0  # kept free beside the weights and the pool: activations, the interpreter, the OS
 
 
 def scale_bytes(dtype: torch.dtype) -> int:
@@ -97,16 +102,20 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 def default_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, memory_gb: float | None,
-                       max_tokens: int) -> int:
-    """Blocks for `memory_gb`, or else a quarter of the free memory up to DEFAULT_MAX_GB, never more
-    than `max_tokens` need."""
+                       max_tokens: int, weight_bytes: int = 0) -> int:
+    """Blocks for `memory_gb`; by default, half of what the free memory leaves after the weights
+    (`weight_bytes`, which a step reads from the page cache, so they must stay there) and
+    HEADROOM_GB, at most DEFAULT_MAX_GB, never more than `max_tokens` need. Logged at INFO."""
     per_block = bytes_per_block(config, block_size, dtype)
-    budget = memory_gb * 2**30 if memory_gb is not None else min(psutil.virtual_memory().available / 4,
-                                                                 DEFAULT_MAX_GB * 2**30)
-    by_memory = int(budget // per_block)
-    if memory_gb is None:
-        by_memory = min(by_memory, -(-max_tokens // block_size))
-    return max(by_memory, 1)
+    if memory_gb is not None:
+        return max(int(memory_gb * 2**30 // per_block), 1)
+    free = psutil.virtual_memory().available
+    budget = min(max(free - weight_bytes - HEADROOM_GB * 2**30, 0) / 2, DEFAULT_MAX_GB * 2**30)
+    blocks = max(min(int(budget // per_block), -(-max_tokens // block_size)), 1)
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GB), from %.1f GB free and %.2f GB of weights "
+                "(kv_cache_memory_gb sets it)", blocks, block_size, blocks * per_block / 1e9, free / 1e9,
+                weight_bytes / 1e9)
+    return blocks
 
 
 def make_kv_cache(model_config: ModelConfig, config: EngineConfig, num_blocks: int, device: torch.device,

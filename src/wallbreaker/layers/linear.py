@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels as qk
+from ..formats.mapping import file_mappings, mapped_file
 from .direct import DirectModule
 
 
@@ -58,11 +59,22 @@ class QuantLinear(DirectModule):
         return y if self._bias is None else y + self._bias
 
 
-def module_bytes(module: nn.Module) -> int:
-    """Resident bytes of a module's weights (shared tensors counted once)."""
-    seen, total = set(), 0
+def _unique_tensors(module: nn.Module) -> list[torch.Tensor]:
+    seen, out = set(), []
     for t in list(module.parameters()) + list(module.buffers()):
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+            out.append(t)
+    return out
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's weights (shared tensors counted once)."""
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(module))
+
+
+def mapped_bytes(module: nn.Module) -> int:
+    """Of `module_bytes`, those read from file mappings (the model file or the repack cache,
+    formats/mapping.py) rather than held in the process's own memory."""
+    maps = file_mappings()
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(module) if mapped_file(t, maps) is not None)
