@@ -15,6 +15,7 @@ the folder keeps the most recently used files within `MAX_FILES` and `MAX_BYTES`
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -111,6 +112,7 @@ class RepackCache:
             return
         self._file = None
         self._evict()
+        _trim_heap()
 
     def abort(self) -> None:
         """The load failed: no file is left behind."""
@@ -199,3 +201,13 @@ class RepackCache:
                 kept, total = kept + 1, total + size
             else:
                 self._discard(path)
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free memory back to the OS (glibc's malloc_trim). Packing allocates one tensor
+    at a time, each under glibc's mmap threshold once it has grown, so their memory stays in the heap
+    after they are freed: a 3B Q8_0 model's first load kept 3.2 GB of it."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
