@@ -166,7 +166,7 @@ def test_encode_chat_has_one_bos_at_most(add_bos: bool, source: str) -> None:
     assert ids[0] == 0 or not (add_bos or written)
 
 
-# -- untrusted templates: bounded time and size (issue 22, finding 8) ------------------------------------
+# -- untrusted templates: bounded time and size ----------------------------------------------------
 ATTACKS = {
     "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "nested loops over strings": "{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}",
@@ -201,7 +201,7 @@ ATTACKS = {
     "slice count": "{{ range(3)|slice(1000000000)|list }}",
     "sum of lists": "{% set l = range(100000)|list %}{{ ([l] * 1000)|sum(start=[])|length }}",
     "urlize": "{{ ('a.b ' * 1000000)|urlize }}",
-    # Loops whose bodies call nothing, and growth that no intercepted operator sees (issue 33).
+    # Loops whose bodies call nothing, and growth that no intercepted operator sees.
     "bare loops over a string": "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% set c = b %}{% endfor %}{% endfor %}",
     "~ of a list of references": ("{% set big = 'x' * 3000000 %}{% set l = [big, big, big, big, big, big, big, big] %}"
                                   "{{ ([l, l, l, l, l, l, l, l, l, l] ~ '')|length }}"),
