@@ -27,7 +27,8 @@ HELP = {
     "model": "a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2)",
     "dtype": "float32: the exact reference path; auto: packed weights through our kernels",
     "num_threads": "torch threads (default: torch's count; under tensor parallelism, the cores per rank)",
-    "kv_cache_memory_gb": "the KV pool, GiB (default: a quarter of the free memory, at most 2, no more than needed)",
+    "kv_cache_memory_gb": "the KV pool, GiB (default: half the free memory after the weights and 1 GB, at most 4, "
+                          "no more than needed)",
     "max_model_len": "tokens a sequence may reach (default: the model's context, capped at what the pool holds)",
     "speculative_method": "ngram (prompt lookup) or draft (--speculative-model)",
     "num_speculative_tokens": "drafts a step at most (K)",
