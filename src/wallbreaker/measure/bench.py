@@ -10,6 +10,7 @@ roofline bound (needs a stored bandwidth: run `wallbreaker roofline` once).
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrent-tokens", type=int, default=128)
     p.add_argument("--hf-tokens", type=int, default=32,
                    help="tokens transformers decodes (it is far slower: batch 1, one run)")
+    p.add_argument("--busy-cores", type=int, default=0,
+                   help="run this many busy processes (`while True: pass`) throughout, every engine under the "
+                        "same load (a laptop is never idle)")
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write a bar chart (PNG) here")
 
@@ -200,10 +204,38 @@ def _engines(args: argparse.Namespace, options: dict, threads: int) -> tuple[lis
     return engines, notes
 
 
+def _busy(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
 def run(args: argparse.Namespace, options: dict) -> int:
     """`args`: the bench flags (and `model`); `options`: the engine's, as LLM(model, **options) takes them."""
     threads = options.get("num_threads") or torch.get_num_threads()
     engines, notes = _engines(args, options, threads)
+    busy = _busy(args.busy_cores)
+    try:
+        samples = _measure(engines, args, notes)
+    finally:
+        for proc in busy:
+            proc.kill()
+    if busy:
+        notes.append(f"{len(busy)} busy process(es) ran beside every engine throughout")
+    for e in engines:
+        notes += e.notes
+    report = summarize(samples, args, threads, notes)
+    print(render(report))
+    if args.json_out:
+        write_json(args.json_out, report)
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    if args.plot:
+        groups = {label(k)[0]: {e: report["medians"][e].get(k) for e in report["medians"]} for k in report["metrics"]}
+        bar_plot(groups, args.plot, f"{report['model']} ({args.dtype}, {threads} threads), medians of {args.runs}",
+                 {label(k)[0]: label(k)[1] for k in report["metrics"]})
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _measure(engines: list[Any], args: argparse.Namespace, notes: list[str]) -> dict[str, dict[str, list[float]]]:
     samples: dict[str, dict[str, list[float]]] = {e.name: {} for e in engines}
     for rep in range(args.runs):
         for engine in engines:
@@ -220,19 +252,7 @@ def run(args: argparse.Namespace, options: dict) -> int:
             for key, value in measured.items():
                 if value is not None:
                     samples[engine.name].setdefault(key, []).append(value)
-    for e in engines:
-        notes += e.notes
-    report = summarize(samples, args, threads, notes)
-    print(render(report))
-    if args.json_out:
-        write_json(args.json_out, report)
-        print(f"wrote {args.json_out}", file=sys.stderr)
-    if args.plot:
-        groups = {label(k)[0]: {e: report["medians"][e].get(k) for e in report["medians"]} for k in report["metrics"]}
-        bar_plot(groups, args.plot, f"{report['model']} ({args.dtype}, {threads} threads), medians of {args.runs}",
-                 {label(k)[0]: label(k)[1] for k in report["metrics"]})
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+    return samples
 
 
 def summarize(samples: dict[str, dict[str, list[float]]], args: argparse.Namespace, threads: int,
