@@ -5,6 +5,8 @@ rebuilt, never used. Whatever the cache does, the logits are those of weights he
 from __future__ import annotations
 
 import json
+import os
+import time
 import struct
 
 import gguf
@@ -143,3 +145,21 @@ def test_k_quant_rows_run_from_the_gguf_itself(packaged_model, cache, tmp_path):
             want = str(made) if name.endswith("attn.qkv") else str(path)
             assert {mapped_file(b, maps) for b in module.blocks[:1]} == {want}, name
     assert llm.stats()["weight_bytes_resident"] < 0.01 * llm.stats()["weight_bytes"]  # norms only
+
+
+def test_the_folder_keeps_the_most_recently_used_within_its_size_and_age(tiny_llama, cache, monkeypatch, tmp_path):
+    copies = []
+    for name in "abc":  # the same model three times: three identities, caches of one size
+        copies.append(tmp_path / f"{name}.gguf")
+        copies[-1].write_bytes(tiny_llama.quantized_gguf(Q8_0).read_bytes())
+    load(copies[0])
+    (first,) = cache.glob("*.bin")
+    stale = cache / ("0" * 40 + ".bin")
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 40 * 86400,) * 2)
+    monkeypatch.setattr(repack_cache, "MAX_BYTES", 2 * first.stat().st_size + 1)
+    load(copies[1])
+    assert not stale.exists() and first.exists()  # unused for 40 days: gone, whatever its size
+    os.utime(first, (time.time() - 60,) * 2)
+    load(copies[2])
+    assert not first.exists() and len(list(cache.glob("*.bin"))) == 2  # the least recently used went

@@ -11,7 +11,7 @@ in anonymous memory at every load instead.)
 A cache file is checked on open: its trailer and index, the layout version, the source's identity,
 every entry inside the data it describes. One that fails any check is rebuilt, never used. A build
 writes to a temporary file renamed into place at the end, so a cut-off load leaves no half file;
-the folder keeps the most recently used files within `MAX_FILES` and `MAX_BYTES`.
+the folder keeps the most recently used files within `MAX_BYTES`, and none unused for `MAX_AGE_DAYS`.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -35,8 +36,8 @@ LAYOUT_VERSION = 1  # bump with any change to `pack_rows` or to what a load pack
 MAGIC = b"WBPACK01"
 TRAILER = struct.Struct("<QQ8s")  # index offset, index length, magic
 ALIGN = 4096  # each tensor starts on a page
-MAX_FILES = 8
 MAX_BYTES = 32 * 2**30
+MAX_AGE_DAYS = 30
 SAMPLE_BYTES = 1 << 20  # read from each end of each source file for its identity
 
 Packed = tuple[torch.Tensor, int]  # [rows, row bytes] uint8 in the kernels' layout, GGML type
@@ -189,16 +190,18 @@ class RepackCache:
             pass
 
     def _evict(self) -> None:
-        """Keep the most recently used files (this one always) within MAX_FILES and MAX_BYTES."""
+        """Keep the most recently used files (this one always) within MAX_BYTES and MAX_AGE_DAYS. By
+        size, not count: a test suite's hundred small files must not push out a user's 3 GB one."""
         try:
             files = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in self.directory.glob("*.bin")),
                            reverse=True)
         except OSError:
             return
-        kept, total = 0, 0
-        for _, size, path in files:
-            if path == self.path or (kept < MAX_FILES and total + size <= MAX_BYTES):
-                kept, total = kept + 1, total + size
+        oldest = time.time() - MAX_AGE_DAYS * 86400
+        total = 0
+        for used, size, path in files:
+            if path == self.path or (total + size <= MAX_BYTES and used >= oldest):
+                total += size
             else:
                 self._discard(path)
 
