@@ -17,6 +17,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.model_runner import ModelRunner
 from .engine.scheduler import Scheduler
 from .engine.structured_output import StructuredOutputs
+from .engine.threads import ThreadGovernor
 from .errors import EngineError, InvalidRequestError
 from .formats import ModelFiles, open_model
 from .kv import BlockManager, BlockPool
@@ -88,8 +89,11 @@ class LLM:
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
         structured = StructuredOutputs(self.tokenizer, eos)
         speculator = self._speculator(max_len, structured) if self.config.speculative_method else None
+        governor = None
+        if self.config.num_threads is None and self.config.tensor_parallel_size == 1:
+            governor = ThreadGovernor(torch.get_num_threads())
         self.engine = LLMEngine(runner, self.tokenizer, self._scheduler(num_blocks, max_len), eos, structured,
-                                speculator)
+                                speculator, governor)
         self.weight_bytes = module_bytes(self.model)
         self.weight_bytes_mapped = mapped_bytes(self.model)  # read from the model file or the repack cache
         self.load_time_s = time.perf_counter() - start

@@ -21,6 +21,7 @@ from .outputs import CompletionOutput, RequestOutput, StepFailure
 from .scheduler import Append, ScheduledBatch, Scheduler, StepOutput
 from .sequence import Sequence
 from .structured_output import Grammar, GrammarError, GrammarMatcher, StructuredOutputs
+from .threads import ThreadGovernor, using_threads
 
 logger = logging.getLogger("wallbreaker.engine")
 MAX_CACHE_SALT_CHARS = 1024
@@ -65,15 +66,17 @@ class LLMEngine:
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, scheduler: Scheduler,
                  eos_token_ids: frozenset[int], structured: StructuredOutputs | None = None,
-                 speculator: Speculation | None = None):
+                 speculator: Speculation | None = None, governor: ThreadGovernor | None = None):
         """`structured`: the constraints' compiler and masks (made from the tokenizer where not given;
-        a draft model shares its target's)."""
+        a draft model shares its target's). `governor`: picks each decode step's thread count
+        (engine/threads.py); None leaves torch's as it is."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_model_len = scheduler.max_model_len
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator
+        self.governor = governor
         self.vocab_limit = runner.vocab_limit
         self.structured = structured or StructuredOutputs(tokenizer, eos_token_ids)
         self._requests: dict[str, Request] = {}
@@ -187,9 +190,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return StepResult([], [])
+        decode_only = all(n == 1 + s.num_draft for s, n in zip(batch.seqs, batch.num_new_tokens))
+        threads = self.governor.threads(decode_only) if self.governor is not None else None
         start = time.perf_counter()
         try:
-            sampling_seqs, logits = self.runner.run(batch)
+            with using_threads(threads):
+                sampling_seqs, logits = self.runner.run(batch)
         except WorkerFailedError:
             raise
         except Exception as error:
@@ -198,9 +204,11 @@ class LLMEngine:
             self._unexplained_failures = 0
             output = self._decide(sampling_seqs, logits)
         run_time = time.perf_counter() - start
-        decode_only = all(n == 1 + s.num_draft for s, n in zip(batch.seqs, batch.num_new_tokens))
-        if self.speculator is not None and decode_only and output.computed:
-            self.speculator.record_step(batch, run_time)
+        if decode_only and output.computed:
+            if self.governor is not None:
+                self.governor.record(run_time)
+            if self.speculator is not None:
+                self.speculator.record_step(batch, run_time)
         deltas = self.scheduler.update_from_output(batch, output)
         if self.speculator is not None:
             self.speculator.release_ended(self.scheduler.running)
