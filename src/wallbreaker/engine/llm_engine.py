@@ -192,24 +192,22 @@ class LLMEngine:
             return StepResult([], [])
         decode_only = all(n == 1 + s.num_draft for s, n in zip(batch.seqs, batch.num_new_tokens))
         threads = self.governor.threads(decode_only) if self.governor is not None else None
-        start = time.perf_counter()
-        try:
-            with using_threads(threads):
+        with using_threads(threads):  # the whole step: sampling forks and joins too
+            start = time.perf_counter()
+            try:
                 sampling_seqs, logits = self.runner.run(batch)
-        except WorkerFailedError:
-            raise
-        except Exception as error:
-            output = self._isolate(batch, error)
-        else:
-            self._unexplained_failures = 0
-            output = self._decide(sampling_seqs, logits)
-        run_time = time.perf_counter() - start
-        if decode_only and output.computed:
-            if self.governor is not None:
-                self.governor.record(run_time)
-            if self.speculator is not None:
-                self.speculator.record_step(batch, run_time)
-        deltas = self.scheduler.update_from_output(batch, output)
+            except WorkerFailedError:
+                raise
+            except Exception as error:
+                output = self._isolate(batch, error)
+            else:
+                self._unexplained_failures = 0
+                if decode_only and self.speculator is not None:
+                    self.speculator.record_step(batch, time.perf_counter() - start)
+                output = self._decide(sampling_seqs, logits)
+            deltas = self.scheduler.update_from_output(batch, output)
+        if decode_only and output.computed and self.governor is not None:
+            self.governor.record(time.perf_counter() - start)
         if self.speculator is not None:
             self.speculator.release_ended(self.scheduler.running)
         elapsed = time.perf_counter() - start

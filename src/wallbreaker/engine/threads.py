@@ -5,8 +5,9 @@ keeps one core busy, the thread that shares that core gets a fraction of it, eve
 it, and two threads decode slower than one (measured on a 2-core Zen 3: 16 tokens/s at 2 threads
 beside a busy process, 43 at 1). No OS figure says which count wins on the host at hand right now,
 so the governor measures: it runs the count with the fastest recent decode steps, tries each other
-count for a few steps now and then, and at once when the current count's steps slow down sharply
-(a neighbour arrived) or speed up (it left). Prefill keeps every thread: its kernels are long
+count for a few steps now and then, and at once when the current count's recent steps slow down
+sharply (a neighbour arrived) or speed up (it left): the median of the last few, so that one noisy
+step on a shared host does not set off a trial. Prefill keeps every thread: its kernels are long
 enough that a slow thread's share is small beside the work.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ class ThreadGovernor:
         self.seconds: dict[int, float] = {}  # count -> moving average of a decode step's time
         self.current = max_threads
         self._trial: list[float] = []
+        self._recent: list[float] = []  # the current count's last TRIAL_STEPS steps outside trials
         self._queue: list[int] = []  # counts still to try in this round
         self._since_round = 0
 
@@ -53,7 +55,10 @@ class ThreadGovernor:
             return
         known = self.seconds.get(n)
         self._since_round += 1
-        if known is None or self._since_round >= EXPLORE_EVERY or not known / SHIFT < seconds < known * SHIFT:
+        self._recent = (self._recent + [seconds])[-TRIAL_STEPS:]
+        recent = sorted(self._recent)[len(self._recent) // 2]
+        shifted = len(self._recent) == TRIAL_STEPS and not known / SHIFT < recent < known * SHIFT if known else False
+        if known is None or self._since_round >= EXPLORE_EVERY or shifted:
             self._start_round()
         else:
             self.seconds[n] = known + SMOOTHING * (seconds - known)
@@ -63,6 +68,7 @@ class ThreadGovernor:
         others = [n for n in self.counts if n != self.current]
         self._queue = others + [self.current] if others else []
         self._since_round = 0
+        self._recent = []
 
 
 @contextmanager
