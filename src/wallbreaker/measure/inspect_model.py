@@ -8,11 +8,13 @@ import torch
 
 from ..config import KV_CACHE_DTYPES, EngineConfig
 from ..formats import open_model
+from ..kernels import K_TYPES
 from ..kv.cache import kv_bytes_per_token
 from .roofline import stored_bandwidth, stored_decode_cost
 
 BOUND_BATCHES = (1, 8, 64)
 BOUND_CONTEXTS = (128, 1024, 4096)
+K_TYPE_NAMES = frozenset(t.name for t in K_TYPES)
 
 
 def describe(model: str | None, json_output: bool = False) -> str:
@@ -24,6 +26,7 @@ def describe(model: str | None, json_output: bool = False) -> str:
         by_type[w.stored_type] += 1
         bytes_by_type[w.stored_type] += w.nbytes
     weight_bytes = files.weight_bytes
+    in_place, repacked, copied = _residence(files)
     kv_f32 = kv_bytes_per_token(cfg, torch.float32)
     kv_by_dtype = {name: kv_bytes_per_token(cfg, dtype) for name, dtype in KV_CACHE_DTYPES.items()}
     stored = stored_decode_cost(files, EngineConfig().kv_cache_torch_dtype)
@@ -35,6 +38,8 @@ def describe(model: str | None, json_output: bool = False) -> str:
         "rope_theta": cfg.rope_theta, "tied_output_head": cfg.tie_word_embeddings,
         "tensors": len(files.weights), "tensor_types": dict(by_type),
         "tensor_bytes_by_type": dict(bytes_by_type), "weight_bytes_stored": weight_bytes,
+        "auto_path_weight_bytes": {"mapped_from_the_file": in_place, "mapped_from_the_repack_cache": repacked,
+                                   "copied_into_memory": copied},
         "kv_bytes_per_token_float32": kv_f32, "kv_bytes_per_token": kv_by_dtype,
         "bytes_read_per_decoded_token": {f"context {n}": stored.bytes_per_step(1, n) for n in (1, 512, 4096)},
     }
@@ -59,6 +64,9 @@ def describe(model: str | None, json_output: bool = False) -> str:
                         f"{stored.expert_bytes * stored.active_share / 1e6:.1f} MB")
     for t, count in by_type.most_common():
         lines.append(f"    {t:<6} {count:4d} tensors  {bytes_by_type[t] / 1e6:9.1f} MB")
+    lines.append(f"  on the auto path: {in_place / 1e6:.1f} MB read in place from the file's mapping, "
+                 f"{repacked / 1e6:.1f} MB from the repack cache's (as stored), {copied / 1e6:.1f} MB copied "
+                 "(float tensors)")
     lines.append("  KV cache       bytes per token: " + ", ".join(f"{b:,} ({name})" for name, b in kv_by_dtype.items()))
     lines.append("  read per decoded token (weights once, active experts only, + KV of the context in bfloat16, batch 1):"
                  if cfg.is_moe else "  read per decoded token (weights once + KV of the context in bfloat16, batch 1):")
@@ -73,6 +81,20 @@ def describe(model: str | None, json_output: bool = False) -> str:
             row = bounds[f"batch {batch}"]
             lines.append(f"    batch {batch:<3}" + "".join(f"{row[f'context {c}']:11.1f}" for c in BOUND_CONTEXTS))
     return "\n".join(lines)
+
+
+def _residence(files) -> tuple[int, int, int]:
+    """Stored bytes the `auto` path reads from the model file's mapping (K-quant rows, in the file's
+    order), from the repack cache's (every other matrix), and copies (vectors: norms, biases)."""
+    in_place = repacked = copied = 0
+    for w in files.weights.values():
+        if len(w.shape) < 2:
+            copied += w.nbytes
+        elif w.blocks_mapped and w.stored_type in K_TYPE_NAMES:
+            in_place += w.nbytes
+        else:
+            repacked += w.nbytes
+    return in_place, repacked, copied
 
 
 def _bounds(files, bandwidth: float) -> dict:
