@@ -26,7 +26,8 @@ def command(name: str):
 HELP = {
     "model": "a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2)",
     "dtype": "float32: the exact reference path; auto: packed weights through our kernels",
-    "num_threads": "torch threads (default: torch's count; under tensor parallelism, the cores per rank)",
+    "num_threads": "torch threads (default: prefill on torch's count, decode on the count measured fastest now; "
+                   "under tensor parallelism, the cores per rank)",
     "kv_cache_memory_gb": "the KV pool, GiB (default: half the free memory after the weights and 1 GB, at most 4, "
                           "no more than needed)",
     "max_model_len": "tokens a sequence may reach (default: the model's context, capped at what the pool holds)",
