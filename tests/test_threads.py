@@ -36,10 +36,12 @@ def test_the_neighbour_leaving_is_found_by_the_next_round():
     assert after.count(1) <= EXPLORE_EVERY + 16  # no longer than a round's wait and its trial
 
 
-def test_prefill_always_takes_every_thread():
+def test_prefill_takes_every_thread_unless_the_decode_steps_found_a_neighbour():
     g = ThreadGovernor(2)
-    run(g, 64, neighbour=True)
+    run(g, 64, neighbour=False)
     assert g.threads(decode=False) == 2
+    run(g, 64, neighbour=True)
+    assert g.threads(decode=False) == 1
 
 
 def test_a_steps_thread_count_is_put_back_after_it():

@@ -7,8 +7,12 @@ beside a busy process, 43 at 1). No OS figure says which count wins on the host 
 so the governor measures: it runs the count with the fastest recent decode steps, tries each other
 count for a few steps now and then, and at once when the current count's recent steps slow down
 sharply (a neighbour arrived) or speed up (it left): the median of the last few, so that one noisy
-step on a shared host does not set off a trial. Prefill keeps every thread: its kernels are long
-enough that a slow thread's share is small beside the work.
+step on a shared host does not set off a trial.
+
+Prefill steps are too few and too unlike each other to be timed against each other, so they follow
+the decode steps' finding: every thread, unless fewer decode clearly faster than all of them (by
+CONTENDED), which only a neighbour stalling the joins explains, and which stalls prefill's joins
+just the same (SmolLM2 beside a busy process, this 2-vCPU Xeon: prefill 49 tokens/s on 2 threads).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ TRIAL_STEPS = 4  # decode steps a count runs when it is tried; the median of its
 EXPLORE_EVERY = 256  # decode steps between trials of the other counts
 SHIFT = 1.5  # a step this much slower (or faster) than its count's record starts trials at once
 SMOOTHING = 0.2
+CONTENDED = 1.25  # every thread this much slower than the best count: the cores are not all free
 
 
 class ThreadGovernor:
@@ -36,7 +41,9 @@ class ThreadGovernor:
     def threads(self, decode: bool) -> int:
         """The thread count for the next step (set it with `torch.set_num_threads` if it changed)."""
         if not decode:
-            return self.counts[0]
+            best, every = self.seconds.get(self.current), self.seconds.get(self.counts[0])
+            contended = best is not None and every is not None and every > CONTENDED * best
+            return self.current if contended and not self._queue else self.counts[0]
         if self._queue and not self._trial:
             self.current = self._queue[0]
         return self.current

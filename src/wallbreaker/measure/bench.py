@@ -77,7 +77,8 @@ class Wallbreaker:
         self.ids = lambda n, tag: prompt_ids(self.llm.tokenizer, n, tag)
         self.params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         self.llm.generate([self.ids(32, f"warm-up {name}")], self.params(8))
-        self.notes = [f"{name}: loaded in {self.llm.load_time_s:.1f} s, dtype {options['dtype']}"]
+        threads = options.get("num_threads") or "decode threads governed (engine/threads.py)"
+        self.notes = [f"{name}: loaded in {self.llm.load_time_s:.1f} s, dtype {options['dtype']}, threads: {threads}"]
 
     def measure(self, rep: int) -> dict[str, float | None]:
         a, out = self.args, {}
@@ -176,7 +177,6 @@ class TransformersBaseline:
 # -- the run ---------------------------------------------------------------------------------------
 def _engines(args: argparse.Namespace, options: dict, threads: int) -> tuple[list[Any], list[str]]:
     from ..formats import resolve_model_path
-    options = {**options, "num_threads": threads}
     spec = options.get("speculative_method")
     engines: list[Any] = [Wallbreaker(args, {**options, "speculative_method": None}, "wallbreaker")]
     if spec:
@@ -209,7 +209,9 @@ def _busy(n: int) -> list[subprocess.Popen]:
 
 
 def run(args: argparse.Namespace, options: dict) -> int:
-    """`args`: the bench flags (and `model`); `options`: the engine's, as LLM(model, **options) takes them."""
+    """`args`: the bench flags (and `model`); `options`: the engine's, as LLM(model, **options) takes them.
+    The baselines run on `num_threads` (or torch's count); wallbreaker on its own default where
+    `num_threads` is not given, as a user runs it (prefill on every thread, decode governed)."""
     threads = options.get("num_threads") or torch.get_num_threads()
     engines, notes = _engines(args, options, threads)
     busy = _busy(args.busy_cores)
