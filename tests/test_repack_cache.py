@@ -4,6 +4,7 @@ a truncated file, one of another layout version, or one made from another model 
 rebuilt, never used. Whatever the cache does, the logits are those of weights held in memory."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -71,6 +72,15 @@ def test_blocks_are_mapped_from_the_cache_file_and_a_second_load_writes_nothing(
     assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)  # mapped, not rewritten
     assert where_blocks_live(again) == {str(made)}
     assert torch.equal(again.logits(TEXT), in_memory_logits)
+
+
+def test_a_model_file_nothing_reads_is_not_kept_mapped(tiny_qwen2, cache):
+    """A tied Q8_0 model: every matrix comes from the cache, the embedding from the head's blocks."""
+    path = tiny_qwen2.quantized_gguf(Q8_0)
+    llm = load(path)
+    gc.collect()
+    assert str(path) not in {p for *_, p in file_mappings()}
+    assert llm.generate(TEXT)[0].outputs[0].token_ids
 
 
 def rewrite_index(path, change) -> None:
@@ -145,6 +155,8 @@ def test_k_quant_rows_run_from_the_gguf_itself(packaged_model, cache, tmp_path):
             want = str(made) if name.endswith("attn.qkv") else str(path)
             assert {mapped_file(b, maps) for b in module.blocks[:1]} == {want}, name
     assert llm.stats()["weight_bytes_resident"] < 0.01 * llm.stats()["weight_bytes"]  # norms only
+    gc.collect()
+    assert str(path) in {p for *_, p in file_mappings()}  # what the kernels read stays mapped
 
 
 def test_the_folder_keeps_the_most_recently_used_within_its_size_and_age(tiny_llama, cache, monkeypatch, tmp_path):

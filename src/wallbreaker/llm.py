@@ -66,8 +66,8 @@ class LLM:
         self.workers = None  # parallel.launcher.Workers, under tensor parallelism
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        files = open_model(model)
-        self.files = files
+        files = open_model(model)  # dropped after the load: the model keeps views of what it reads
+        self.model_path = files.path
         self.model_config = files.config
         self.tokenizer = files.tokenizer
         self.chat_template = files.chat_template
@@ -75,7 +75,7 @@ class LLM:
         bs = self.config.kv_block_size
         max_len = min(self.config.max_model_len or files.config.max_position_embeddings,
                       files.config.max_position_embeddings)
-        num_blocks = self._num_blocks(max_len)
+        num_blocks = self._num_blocks(max_len, files.weight_bytes)
         max_len = self._fit_context(max_len, num_blocks * bs)
         self.max_model_len = max_len
         vocab_limit = self.tokenizer.vocab_size
@@ -88,7 +88,8 @@ class LLM:
             self.model, self.kv_cache = runner.model, runner.kv_cache
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
         structured = StructuredOutputs(self.tokenizer, eos)
-        speculator = self._speculator(max_len, structured) if self.config.speculative_method else None
+        speculator = self._speculator(max_len, structured, files.weight_bytes) \
+            if self.config.speculative_method else None
         governor = None
         if self.config.num_threads is None and self.config.tensor_parallel_size == 1:
             governor = ThreadGovernor(torch.get_num_threads())
@@ -112,11 +113,11 @@ class LLM:
                        pool_tokens, max_len)
         return pool_tokens
 
-    def _num_blocks(self, max_len: int) -> int:
+    def _num_blocks(self, max_len: int, weight_bytes: int) -> int:
         """KV blocks for the whole model (under tensor parallelism each rank holds its heads' share)."""
         c = self.config
         return default_num_blocks(self.model_config, c.kv_block_size, c.kv_cache_torch_dtype, c.kv_cache_memory_gb,
-                                  c.max_num_seqs * max_len, self.files.weight_bytes)
+                                  c.max_num_seqs * max_len, weight_bytes)
 
     def _scheduler(self, num_blocks: int, max_len: int) -> Scheduler:
         c = self.config
@@ -131,6 +132,13 @@ class LLM:
         weakref.finalize(self, self.workers.shutdown)  # an LLM dropped without shutdown() still stops them
         return self.workers.start_runner(files, self.config, num_blocks, vocab_limit)
 
+    @property
+    def files(self) -> ModelFiles:
+        """The model's files, opened again: the engine keeps no mapping of them but the views its
+        weights are (a model whose every matrix comes from the repack cache reads nothing of the
+        file, and so holds none of it mapped)."""
+        return open_model(self.model_path)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
         if self.workers is not None:
@@ -142,14 +150,14 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _speculator(self, max_len: int, structured: StructuredOutputs) -> Speculator:
+    def _speculator(self, max_len: int, structured: StructuredOutputs, target_bytes: int) -> Speculator:
         c = self.config
         draft = None
         if c.speculative_method == "draft":
-            draft = self._draft_proposer(max_len, structured)
+            draft = self._draft_proposer(max_len, structured, target_bytes)
         return Speculator(c.speculative_method, c.num_speculative_tokens, max_len, draft, c.speculative_adaptive)
 
-    def _draft_proposer(self, max_len: int, structured: StructuredOutputs) -> DraftProposer:
+    def _draft_proposer(self, max_len: int, structured: StructuredOutputs, target_bytes: int) -> DraftProposer:
         """The draft model with a runner, KV pool and scheduler of its own (its pool sized as the
         target's, by `kv_cache_memory_gb`; its KV pages in the default dtype)."""
         c = self.config
@@ -160,7 +168,7 @@ class LLM:
         device = torch.device(c.device)
         num_blocks = default_num_blocks(files.config, c.kv_block_size, config.kv_cache_torch_dtype,
                                         c.kv_cache_memory_gb, c.max_num_seqs * max_len,
-                                        self.files.weight_bytes + files.weight_bytes)
+                                        target_bytes + files.weight_bytes)
         model = load_model(files, config, device)
         runner = ModelRunner(model, make_kv_cache(files.config, config, num_blocks, device), device,
                              files.tokenizer.vocab_size)
