@@ -1,8 +1,8 @@
 """Continuous batching, and the one owner of sequences and their KV blocks between steps.
 
-`schedule` decides which sequences run this step and how many tokens each computes. Every step, running sequences go first (oldest first), each taking what it lacks (one token when
-decoding, a chunk when prefilling) under a token budget; waiting sequences join while budget and
-seats remain. When the block pool runs dry, the newest running sequence is preempted: its blocks
+`schedule` decides which sequences run this step and how many tokens each computes. Every step,
+running sequences go first (oldest first), each taking what it lacks (one token when decoding, a
+chunk when prefilling) under a token budget; waiting sequences join while budget and seats remain. When the block pool runs dry, the newest running sequence is preempted: its blocks
 are freed and it waits again at the front of the queue, to be recomputed (its full blocks usually
 come straight back from the prefix cache).
 
