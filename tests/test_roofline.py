@@ -115,7 +115,8 @@ def test_roofline_fraction_needs_a_stored_bandwidth(tiny_llama, cache):
 
 def test_machine_profile_round_trips_through_its_json(cache):
     profile = measure([1], buffer_mib=4, repeats=1, gemm_size=64)
-    assert profile.read_bandwidth(1) > 0 and set(profile.flops) == {"float32", "bfloat16", "q4", "q8"}
+    assert profile.read_bandwidth(1) > 0 and set(profile.flops) == {"float32", "bfloat16", "q4", "q8",
+                                                                    "attention_float32", "attention_bfloat16"}
     store_profile(profile)
     again = load_profile()
     assert again.to_json() == profile.to_json()

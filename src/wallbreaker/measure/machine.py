@@ -150,34 +150,43 @@ def quant_kind(qtype: int) -> str:
     return "q4" if gguf.GGMLQuantizationType(qtype).name in _FOUR_BIT_OR_LESS else "q8"
 
 
-def _gemm(kind: str, size: int) -> Callable[[], object]:
-    """One size x size x size matmul as the engine runs it: float GEMMs, and our kernels over
-    random GGUF blocks (float32 activations, quantized to 8 bits inside)."""
+def _gemm(kind: str, size: int) -> tuple[Callable[[], object], float]:
+    """One product as the engine runs it, and its FLOPs: size^3 float GEMMs; our kernels over
+    random GGUF blocks (float32 activations, quantized to 8 bits inside); prefill attention
+    (`attention_<dtype>`: PyTorch's SDPA, causal, 8 heads of 64 over size / 4 positions, K/V in the
+    cache's dtype, as layers/attention.py calls it). A CPU without bfloat16 instructions runs SDPA
+    in bfloat16 far faster than a bfloat16 GEMM (Zen 3: 0.3 GFLOP/s), so attention gets its own rate."""
     g = torch.Generator().manual_seed(0)
     if kind in ("float32", "bfloat16"):
         dtype = getattr(torch, kind)
         a = torch.randn(size, size, generator=g).to(dtype)
         b = torch.randn(size, size, generator=g).to(dtype)
-        return lambda: torch.mm(a, b)
+        return (lambda: torch.mm(a, b)), 2.0 * size**3
     if kind in QUANT_KINDS:
         from .. import kernels
         qtype = QUANT_KINDS[kind]
         w = kernels.pack_rows(torch.from_numpy(gguf.quants.quantize(torch.randn(size, size, generator=g).numpy(),
                                                                     qtype)), qtype)
         x = torch.randn(size, size, generator=g)
-        return lambda: kernels.qmatmul(x, [w], [int(qtype)])
+        return (lambda: kernels.qmatmul(x, [w], [int(qtype)])), 2.0 * size**3
+    if kind in ATTENTION_KINDS:
+        heads, length, dim = 8, max(size // 4, 16), 64
+        q, k, v = (torch.randn(1, heads, length, dim, generator=g).to(ATTENTION_KINDS[kind]) for _ in range(3))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return (lambda: sdpa(q, k, v, is_causal=True)), 2.0 * heads * length * length * dim  # QKᵀ and PV, half
     raise ValueError(f"unknown matmul kind {kind!r}")
 
 
-GEMM_KINDS = ("float32", "bfloat16", *QUANT_KINDS)
+ATTENTION_KINDS = {"attention_float32": torch.float32, "attention_bfloat16": torch.bfloat16}
+GEMM_KINDS = ("float32", "bfloat16", *QUANT_KINDS, *ATTENTION_KINDS)
 
 
 def measure_flops(size: int, repeats: int, kinds: tuple[str, ...] = GEMM_KINDS) -> dict[str, Sample]:
-    """FLOP/s of a size^3 matmul of each kind, at the current torch thread count."""
+    """FLOP/s of each kind's product (see `_gemm`), at the current torch thread count."""
     out = {}
     for kind in kinds:
-        times = timed(_gemm(kind, size), repeats)
-        out[kind] = Sample.of([2 * size**3 / t for t in times])
+        fn, flops = _gemm(kind, size)
+        out[kind] = Sample.of([flops / t for t in timed(fn, repeats)])
     return out
 
 

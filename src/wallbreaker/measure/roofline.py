@@ -54,7 +54,7 @@ class DecodeCost:
     layer_windows: tuple[int | None, ...]  # per layer: sliding window, or None for full attention
     matmul_params: dict[str, int]  # matmul kernel kind -> weights multiplied per token
     attn_flops_per_layer_position: int
-    attn_kind: str  # the kernel kind whose FLOP/s attention gets
+    attn_kind: str  # the measured kind whose FLOP/s attention gets: `attention_<KV dtype>`
     expert_bytes: int = 0  # the part of weight_bytes that is experts
     experts: tuple[int, int] = (0, 0)  # experts in all, experts active per token
 
@@ -89,8 +89,8 @@ class DecodeCost:
 
     def compute_bound(self, flops: dict[str, float], context: int) -> float | None:
         """Tokens/s that the measured FLOP/s of each matmul kind allow (None: a kind not measured)."""
-        def rate(kind: str) -> float | None:
-            return flops.get(kind) or flops.get("float32")
+        def rate(kind: str) -> float | None:  # a profile stored before attention had its own rate: the GEMM's
+            return flops.get(kind) or flops.get(kind.removeprefix("attention_")) or flops.get("float32")
         seconds = 0.0
         for kind, n in self.matmul_params.items():
             if rate(kind) is None:
@@ -154,7 +154,7 @@ def model_cost(cfg: "ModelConfig", weight_bytes: int, table_bytes: int, kv_dtype
         layer_windows=layer_windows(cfg),
         matmul_params=matmul_params or {},
         attn_flops_per_layer_position=4 * cfg.num_heads * cfg.head_dim,
-        attn_kind=_FLOAT_KINDS.get(kv_dtype, "float32"),
+        attn_kind=f"attention_{_FLOAT_KINDS.get(kv_dtype, 'bfloat16')}",  # int8/fp8 pages: read as bfloat16
         expert_bytes=expert_bytes,
         experts=(cfg.num_experts, cfg.num_experts_per_tok),
     )

@@ -52,8 +52,9 @@ def machine_lines(profile: MachineProfile) -> list[str]:
              "copy counts read + write):",
              markdown_table(["threads", "read best", "read median", "copy best", "copy median"], rows), ""]
     if profile.flops:
-        lines.append(f"Matmul GFLOP/s ({profile.gemm_size}^3, {max(map(int, profile.bandwidth), default=1)} threads; "
-                     "q4/q8: our kernels over Q4_0/Q8_0 blocks):")
+        lines.append(f"GFLOP/s ({max(map(int, profile.bandwidth), default=1)} threads; matmuls {profile.gemm_size}^3, "
+                     "q4/q8 our kernels over Q4_0/Q8_0 blocks; attention_*: SDPA, causal, "
+                     f"{max(profile.gemm_size // 4, 16)} positions, as prefill runs it):")
         lines.append(markdown_table(["kind", "best", "median"],
                                     [[k, s.best / 1e9, s.median / 1e9] for k, s in profile.flops.items()]))
         lines.append("")
