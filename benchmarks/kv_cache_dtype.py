@@ -65,11 +65,11 @@ def main() -> None:
     rows = [[k, medians[k]["decode_tokens_per_s"], medians[k]["run_tokens_per_s"],
              f"{medians[k]['decode_tokens_per_s'] / medians[base]['decode_tokens_per_s']:.2f}x",
              engines[k].stats()["kv_blocks_total"], engines[k].kv_cache.nbytes / 2**30] for k in kinds]
-    print(f"\n{first.files.path.name}: {args.seqs} sequences x ({args.prompt_tokens} prompt + {args.gen_tokens} "
+    print(f"\n{first.model_path.name}: {args.seqs} sequences x ({args.prompt_tokens} prompt + {args.gen_tokens} "
           f"generated), medians of {args.runs}\nmachine: {describe_machine(facts)}\n")
     print(markdown_table(["KV pages", "decode tokens/s", "whole-run tokens/s", f"decode vs {base}", "blocks",
                           "pool GiB"], rows))
-    report = {"model": first.files.path.name, "machine": facts, "config": {k: v for k, v in vars(args).items()
+    report = {"model": first.model_path.name, "machine": facts, "config": {k: v for k, v in vars(args).items()
                                                                             if k != "json" and k != "plot"},
               "samples": samples, "medians": medians, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out = args.json or RESULTS / f"kv_cache_dtype_{args.prompt_tokens}.json"

@@ -36,7 +36,7 @@ def measure(model: str, paths: list[str], text: Path, ctx: int, chunks: int,
     rows, gguf = [], None
     for label in paths:
         llm = LLM(model, enable_prefix_caching=False, **PATHS[label])
-        gguf = llm.files.path
+        gguf = llm.model_path
         start = time.perf_counter()
         r = perplexity(llm, text.read_text(), ctx=ctx, chunks=chunks)
         rows.append({"model": gguf.name, "engine": "wallbreaker", "path": label, "ppl": r.ppl, "stderr": r.stderr,

@@ -396,7 +396,7 @@ def main() -> None:
     apply_16 = apply_time(structured.words, tok.vocab_size, model_vocab, args.seqs, 50)
 
     # report
-    name = llm.files.path.name
+    name = llm.model_path.name
     print(f"\n{name}; vocabulary {tok.vocab_size}; machine: {describe_machine(facts)}")
     print(f"llguidance {versions['llguidance']}, xgrammar {versions['xgrammar']}; medians\n")
     print(f"Compiling (cold, with the first mask), ms; small: {sizes['small']['properties']} properties, "

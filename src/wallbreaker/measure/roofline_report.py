@@ -128,10 +128,10 @@ def run(args: argparse.Namespace, options: dict) -> int:
     measured = real_run(llm, args) if args.decode_tokens else None
     cost = llm_cost(llm)
     kv_dtype = str(llm.kv_cache.tensor.dtype).removeprefix("torch.")
-    lines.append(f"Model {llm.files.path.name} (dtype {llm.config.dtype}, KV cache {kv_dtype}):")
+    lines.append(f"Model {llm.model_path.name} (dtype {llm.config.dtype}, KV cache {kv_dtype}):")
     more, bounds = cost_lines(cost, bandwidth, flops)
     lines += more
-    report.update(model=str(llm.files.path), dtype=llm.config.dtype, weight_bytes=cost.weight_bytes,
+    report.update(model=str(llm.model_path), dtype=llm.config.dtype, weight_bytes=cost.weight_bytes,
                   expert_bytes=cost.expert_bytes, weight_bytes_read_batch_1=cost.weights_read(1),
                   row_bytes=cost.row_bytes, kv_bytes_per_position=cost.kv_bytes(1), **bounds)
     if measured:

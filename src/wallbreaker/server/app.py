@@ -29,7 +29,7 @@ from .tokenize import detokenize, tokenize
 
 def default_model_name(llm: LLM) -> str:
     """The model file's stem (`SmolLM2-135M-Instruct.Q4_1`), or a Hugging Face folder's name."""
-    path = llm.files.path
+    path = llm.model_path
     return path.name if path.is_dir() else path.stem
 
 
