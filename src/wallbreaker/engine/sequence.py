@@ -104,8 +104,8 @@ class Sequence:
 
     def append(self, tokens: list[int], logprobs: list[float], tops: list[list[tuple[int, float]]],
                max_model_len: int) -> StreamDelta:
-        """Append tokens, stopping at the first that ends the sequence (its `finish_reason` is then
-        set; freeing its blocks is the scheduler's). The delta to stream."""
+        """Append tokens, stopping at the first that ends the sequence. The delta to stream; its
+        `finish_reason`, if any, is the scheduler's to apply (`Scheduler.finish`)."""
         now = time.perf_counter()
         if self.first_token_time is None:
             self.first_token_time = now
@@ -124,7 +124,6 @@ class Sequence:
             if reason is not None:
                 if self.detokenizer is not None and not self.detokenizer.stopped:
                     text += self.detokenizer.flush()
-                self.finish_reason = reason
                 break
         return StreamDelta(self.request_id, self.index, text, tokens[:kept], logprobs[:kept] if want else [],
                            tops[:kept] if want else [], reason)

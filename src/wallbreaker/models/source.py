@@ -157,19 +157,18 @@ class WeightSource:
         if seg.mapped:
             return seg.blocks(), seg.qtype
         make = partial(self._packed_blocks, seg)
-        if self.repack is None:
-            return make()
-        out = self.repack.packed(seg.key, make)
-        if seg.raw is not None:
-            release_pages(seg.raw)  # read to pack it (on a cache miss): counted once, in the cache file
-        return out
+        return make() if self.repack is None else self.repack.packed(seg.key, make)
 
     @staticmethod
     def _packed_blocks(seg: Segment) -> tuple[torch.Tensor, T]:
-        """The stored blocks; else Q4_1 of a <= 4-bit grid; else Q8_0 of the float values; packed."""
+        """The stored blocks; else Q4_1 of a <= 4-bit grid; else Q8_0 of the float values; packed.
+        The file's pages read for it are given back: the packed copy is what the model reads."""
         stored = seg.blocks() if seg.blocks is not None else None
         if stored is not None:
-            return qk.pack_rows(stored, seg.qtype), seg.qtype
+            packed = qk.pack_rows(stored, seg.qtype)
+            if seg.raw is not None:
+                release_pages(seg.raw)
+            return packed, seg.qtype
         if seg.grid is not None:
             q4 = q4_1_blocks(seg.grid())
             if q4 is not None:
