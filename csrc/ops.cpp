@@ -12,6 +12,9 @@
 
 #include "qkernels.h"
 
+extern "C" bool wb_dequant_bf16_avx512(int qt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+                                       int64_t K, uint16_t* out, int64_t ldo);
+
 namespace {
 
 enum Level : int { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
@@ -141,16 +144,10 @@ void set_isa(const std::string& name) {
   g_level.store(want);
 }
 
-// y[M, sum N_i] = x[M, K] @ concat_i(W_i)^T, W_i [N_i, row_bytes_i] uint8 GGUF blocks of qtypes[i].
-torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                      const std::vector<int64_t>& qtypes) {
-  TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "qmatmul: one qtype per weight segment");
-  TORCH_CHECK(x_in.dim() == 2, "qmatmul: x must be [M, K]");
-  TORCH_CHECK(x_in.device().is_cpu(), "qmatmul: CPU tensors only");
-  auto x = x_in.scalar_type() == torch::kFloat ? x_in : x_in.to(torch::kFloat);
-  if (x.stride(1) != 1) x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  bool need32 = false, need256 = false;
+// The segments' checks (each W_i [N_i, row_bytes_i] uint8 of a known qtype, rows of K values);
+// returns sum N_i and which activation block sizes they need.
+int64_t check_segments(const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes, int64_t K,
+                       bool& need32, bool& need256) {
   int64_t N = 0;
   for (size_t i = 0; i < weights.size(); i++) {
     const auto& w = weights[i];
@@ -163,6 +160,20 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
     (bs == 32 ? need32 : need256) = true;
     N += w.size(0);
   }
+  return N;
+}
+
+// y[M, sum N_i] = x[M, K] @ concat_i(W_i)^T, W_i [N_i, row_bytes_i] uint8 GGUF blocks of qtypes[i].
+torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
+                      const std::vector<int64_t>& qtypes) {
+  TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "qmatmul: one qtype per weight segment");
+  TORCH_CHECK(x_in.dim() == 2, "qmatmul: x must be [M, K]");
+  TORCH_CHECK(x_in.device().is_cpu(), "qmatmul: CPU tensors only");
+  auto x = x_in.scalar_type() == torch::kFloat ? x_in : x_in.to(torch::kFloat);
+  if (x.stride(1) != 1) x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  bool need32 = false, need256 = false;
+  const int64_t N = check_segments(weights, qtypes, K, need32, need256);
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   if (M == 0 || N == 0) return out;
   const wb::Kernels* k = kernels();
@@ -237,9 +248,75 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
   return out;
 }
 
+bool dense_supported() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+// W_i's rows [n0, n1) decoded to bfloat16 [n1 - n0, K] (the dense path's tiles; tests).
+torch::Tensor dequant_bf16(const torch::Tensor& w, int64_t qtype, int64_t K, int64_t n0, int64_t n1) {
+  TORCH_CHECK(dense_supported(), "dequant_bf16: needs AVX-512 with BF16");
+  bool n32 = false, n256 = false;
+  check_segments({w}, {qtype}, K, n32, n256);
+  TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= w.size(0), "dequant_bf16: rows [", n0, ", ", n1, ") out of range");
+  auto out = torch::empty({n1 - n0, K}, w.options().dtype(torch::kBFloat16));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    wb_dequant_bf16_avx512((int)qtype, wp, w.size(1), a, b, K, op + (a - n0) * K, K);
+  });
+  return out;
+}
+
+// The dense prefill path: y = x @ concat(W_i)^T as qmatmul, but by decoding `tile` weight rows at a
+// time to bfloat16 and multiplying in PyTorch's bfloat16 matmul (oneDNN; AMX where the CPU has it).
+// Decoding costs once per call whatever M, so it pays from a few dozen rows on. Activations and the
+// products are rounded to bfloat16 (oneDNN's CPU matmul has no float32 output for bfloat16 inputs),
+// where qmatmul rounds activations to 8 bits per block; float32 out.
+torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
+                            const std::vector<int64_t>& qtypes, int64_t tile) {
+  TORCH_CHECK(dense_supported(), "qmatmul_dense: needs AVX-512 with BF16");
+  TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "qmatmul: one qtype per weight segment");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "qmatmul: x must be a [M, K] CPU tensor");
+  TORCH_CHECK(tile > 0, "qmatmul_dense: tile must be positive");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  bool n32 = false, n256 = false;
+  const int64_t N = check_segments(weights, qtypes, K, n32, n256);
+  const auto xt = x_in.to(torch::kBFloat16).t();  // [K, M]
+  auto yt = torch::empty({N, M}, x_in.options().dtype(torch::kBFloat16));
+  auto buf = torch::empty({std::min(tile, N), K}, yt.options());
+  uint16_t* bp = reinterpret_cast<uint16_t*>(buf.data_ptr<at::BFloat16>());
+  int64_t col = 0;
+  for (size_t i = 0; i < weights.size(); i++) {
+    const auto& w = weights[i];
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    for (int64_t r0 = 0; r0 < w.size(0); r0 += tile) {
+      const int64_t rows = std::min(tile, w.size(0) - r0);
+      at::parallel_for(r0, r0 + rows, 16, [&](int64_t a, int64_t b) {
+        wb_dequant_bf16_avx512((int)qtypes[i], wp, w.size(1), a, b, K, bp + (a - r0) * K, K);
+      });
+      auto dst = yt.narrow(0, col + r0, rows);
+      at::mm_out(dst, buf.narrow(0, 0, rows), xt);
+    }
+    col += w.size(0);
+  }
+  return yt.t().to(torch::kFloat).contiguous();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "y = x @ concat(W_i)^T over GGUF blocks", py::arg("x"), py::arg("weights"),
         py::arg("qtypes"));
+  m.def("qmatmul_dense", &qmatmul_dense, "qmatmul by bfloat16 tiles of decoded weights", py::arg("x"),
+        py::arg("weights"), py::arg("qtypes"), py::arg("tile"));
+  m.def("dequant_bf16", &dequant_bf16, "rows [n0, n1) of GGUF blocks as bfloat16", py::arg("w"), py::arg("qtype"),
+        py::arg("k"), py::arg("n0"), py::arg("n1"));
+  m.def("dense_supported", &dense_supported, "whether this CPU runs qmatmul_dense (AVX-512 with BF16)");
   m.def("isa", &get_isa, "the kernel level in use");
   m.def("cpu_isa", &cpu_isa, "the best kernel level this CPU supports");
   m.def("set_isa", &set_isa, "force a kernel level ('' for the best this CPU has)", py::arg("level"));

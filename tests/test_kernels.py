@@ -132,6 +132,63 @@ def test_mixed_segments_in_one_call_equal_separate_calls(level):
         torch.testing.assert_close(fused, ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
 
 
+# -- the dense prefill path (bfloat16 tiles of decoded weights) ---------------------------------
+dense = pytest.mark.skipif(not kernels._C.dense_supported(), reason="the dense path needs AVX-512 with BF16")
+
+
+@dense
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_dequant_bf16_is_gguf_dequantization_rounded_to_bfloat16(qtype):
+    """Each value within half a bfloat16 step of gguf's (plus float32 rounding of the scale
+    products, which gguf computes in another order)."""
+    k = 512 if qtype.name.endswith("_K") else 608
+    raw = random_blocks(qtype, 37, k, seed=int(qtype))
+    w = kernels.pack_rows(torch.from_numpy(raw), qtype)
+    ref = torch.from_numpy(np.array(gguf.quants.dequantize(raw, qtype))).reshape(37, k)[5:31]
+    got = kernels._C.dequant_bf16(w, int(qtype), k, 5, 31)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    assert ((got.float() - ref).abs() <= ref.abs() * (2.0 ** -8 + 2.0 ** -20)).all()
+
+
+@dense
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0, T.Q3_K, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_qmatmul_dense_matches_the_float_product(qtype):
+    """Segments side by side, tiles that cut a segment, rows not a multiple of the tile: within the
+    bfloat16 roundings of x, W and y (each at most 2^-8 relative), of the float64 product."""
+    k = 512 if qtype.name.endswith("_K") else 608
+    raws = [random_blocks(qtype, n, k, seed=n) for n in (37, 20)]
+    ws = [kernels.pack_rows(torch.from_numpy(r), qtype) for r in raws]
+    wf = torch.cat([torch.from_numpy(np.array(gguf.quants.dequantize(r, qtype))).reshape(-1, k) for r in raws]).double()
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(1))
+    y = kernels._C.qmatmul_dense(x, ws, [int(qtype)] * 2, 16)
+    exact = x.double() @ wf.T
+    bound = (x.double().abs() @ wf.abs().T) * 2 * 2.0 ** -8 + exact.abs() * 2.0 ** -8
+    assert y.dtype == torch.float32 and ((y.double() - exact).abs() <= bound).all()
+
+
+@dense
+def test_quant_linear_takes_the_dense_path_from_its_row_threshold(monkeypatch):
+    """Below DENSE_MIN_ROWS the integer kernels (bit for bit qmatmul), from it the dense path."""
+    raw = random_blocks(T.Q4_K, 48, 512, seed=2)
+    layer = QuantLinear([(kernels.pack_rows(torch.from_numpy(raw), T.Q4_K), int(T.Q4_K))], 512)
+    monkeypatch.setattr(kernels, "_dense", True)
+    n = kernels.DENSE_MIN_ROWS
+    few, many = torch.randn(n - 1, 512), torch.randn(n, 512)
+    assert torch.equal(layer(few), kernels.qmatmul(few, layer.blocks, layer.qtypes))
+    assert torch.equal(layer(many), kernels.qmatmul_dense(many, layer.blocks, layer.qtypes))
+    monkeypatch.setattr(kernels, "_dense", False)
+    assert torch.equal(layer(many), kernels.qmatmul(many, layer.blocks, layer.qtypes))
+
+
+def test_dense_switch_is_checked(monkeypatch):
+    monkeypatch.setattr(kernels, "_dense", None)
+    monkeypatch.setenv("WALLBREAKER_DENSE_PREFILL", "yes")
+    with pytest.raises(ValueError, match="WALLBREAKER_DENSE_PREFILL"):
+        kernels.dense_path()
+    monkeypatch.setenv("WALLBREAKER_DENSE_PREFILL", "0")
+    assert kernels.dense_path() is False
+
+
 def test_bad_arguments_are_clear_errors():
     w = kernels.pack_rows(torch.from_numpy(random_blocks(T.Q4_0, 4, 64, seed=0)), T.Q4_0)
     with pytest.raises(RuntimeError, match="bytes a row"):

@@ -12,6 +12,7 @@ from .direct import DirectModule
 
 
 _qmatmul = qk._C.qmatmul
+_qmatmul_dense = qk._C.qmatmul_dense
 
 
 class Linear(nn.Module):
@@ -52,10 +53,13 @@ class QuantLinear(DirectModule):
         return torch.cat([qk.dequantize_packed(w, q, self.in_features) for w, q in zip(self.blocks, self.qtypes)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            y = _qmatmul(x, self.blocks, self.qtypes)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.shape[0] >= qk.DENSE_MIN_ROWS and qk.dense_path():  # prefill on a CPU with AMX
+            y = _qmatmul_dense(x2, self.blocks, self.qtypes, qk.DENSE_TILE_ROWS)
         else:
-            y = _qmatmul(x.reshape(-1, self.in_features), self.blocks, self.qtypes).view(*x.shape[:-1], -1)
+            y = _qmatmul(x2, self.blocks, self.qtypes)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], -1)
         return y if self._bias is None else y + self._bias
 
 

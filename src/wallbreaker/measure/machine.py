@@ -151,8 +151,9 @@ def quant_kind(qtype: int) -> str:
 
 
 def _gemm(kind: str, size: int) -> tuple[Callable[[], object], float]:
-    """One product as the engine runs it, and its FLOPs: size^3 float GEMMs; our kernels over
-    random GGUF blocks (float32 activations, quantized to 8 bits inside); prefill attention
+    """One product as the engine runs it, and its FLOPs: size^3 float GEMMs; a quantized linear
+    layer over random GGUF blocks (float32 activations; prefill-sized, so the dense path where it
+    runs, kernels.dense_path); prefill attention
     (`attention_<dtype>`: PyTorch's SDPA, causal, 8 heads of 64 over size / 4 positions, K/V in the
     cache's dtype, as layers/attention.py calls it). A CPU without bfloat16 instructions runs SDPA
     in bfloat16 far faster than a bfloat16 GEMM (Zen 3: 0.3 GFLOP/s), so attention gets its own rate."""
@@ -167,8 +168,10 @@ def _gemm(kind: str, size: int) -> tuple[Callable[[], object], float]:
         qtype = QUANT_KINDS[kind]
         w = kernels.pack_rows(torch.from_numpy(gguf.quants.quantize(torch.randn(size, size, generator=g).numpy(),
                                                                     qtype)), qtype)
+        from ..layers.linear import QuantLinear
+        layer = QuantLinear([(w, int(qtype))], size)  # the integer tiles, or the dense path where it runs
         x = torch.randn(size, size, generator=g)
-        return (lambda: kernels.qmatmul(x, [w], [int(qtype)])), 2.0 * size**3
+        return (lambda: layer(x)), 2.0 * size**3
     if kind in ATTENTION_KINDS:
         heads, length, dim = 8, max(size // 4, 16), 64
         q, k, v = (torch.randn(1, heads, length, dim, generator=g).to(ATTENTION_KINDS[kind]) for _ in range(3))
