@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv import BlockManager
+from ..kv.disk_cache import DiskStats
 from .outputs import StreamDelta
 from .sequence import Sequence, SequenceStatus
 
@@ -201,8 +202,10 @@ class Scheduler:
 
     def live_stats(self) -> dict:
         pool = self.block_manager.pool
+        disk = self.block_manager.disk
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks}
+                "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks,
+                **(disk.stats_dict() if disk is not None else DiskStats().as_dict())}
 
     def stats(self) -> dict:
         """The queues and the pool: blocks, the tokens they hold, the share of slots wasted (the
