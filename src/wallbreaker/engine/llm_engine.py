@@ -371,6 +371,9 @@ class LLMEngine:
         """Put session `name`'s blocks into the prefix cache; its facts and its token ids."""
         return self._session_store().load(name, self.scheduler.block_manager)
 
+    def delete_session(self, name: str) -> SessionInfo:
+        return self._session_store().delete(name)
+
     def _session_store(self) -> SessionStore:
         if self.sessions is None:
             raise InvalidRequestError("saved sessions need the prefix cache, and are not supported under "

@@ -31,6 +31,13 @@ class SessionNotFoundError(InvalidRequestError):
     """No saved session has this name."""
 
 
+def check_session_name(name: object) -> None:
+    """A name is a file name of its own in the sessions folder: no path, no hidden file."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise InvalidRequestError("a session name is 1 to 128 letters, digits, '.', '_' or '-', "
+                                  "starting with a letter or digit", param="name")
+
+
 @dataclass
 class SessionInfo:
     name: str
@@ -46,10 +53,17 @@ class SessionStore:
         self.kv_cache = kv_cache
 
     def path(self, name: str) -> Path:
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise InvalidRequestError("a session name is 1 to 128 letters, digits, '.', '_' or '-', "
-                                      "starting with a letter or digit", param="name")
+        check_session_name(name)
         return self.directory / f"{name}{SUFFIX}"
+
+    def delete(self, name: str) -> SessionInfo:
+        path = self.path(name)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            raise SessionNotFoundError(f"no saved session named {name!r}", param="name") from None
+        return SessionInfo(name, 0, 0, size)
 
     def save(self, name: str, token_ids: list[int], cache_salt: str | None, manager: BlockManager) -> SessionInfo:
         """Write the cached full blocks of `token_ids` (the RAM prefix cache's, as far as they go
