@@ -165,9 +165,7 @@ class DiskKVCache:
                     self._pending_bytes -= size
 
     def _write(self, block_hash: bytes, token_ids: tuple[int, ...], parts: list[torch.Tensor]) -> None:
-        path = self.path(block_hash)
-        if path.exists():  # another process (or an earlier run) wrote it
-            return
+        path = self.path(block_hash)  # replaced if there: a file this process did not read is one it could not use
         header = {"fingerprint": self.fingerprint, "block_hash": block_hash.hex(), "token_ids": list(token_ids)}
         written = write_atomic(path, header, parts)
         self.stats.blocks_written += 1
