@@ -268,3 +268,30 @@ def test_two_processes_sharing_one_folder_never_give_a_wrong_token(model, tmp_pa
             got = json.loads(out.strip().splitlines()[-1])
             assert got["tokens"] == [expected[(i + seed) % len(prompts)] for i in range(len(prompts))]
     assert got["stats"]["kv_disk_hits"] > 0
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"kv_cache_disk_gb": -1}, ">= 0"), ({"kv_cache_disk_gb": float("nan")}, ">= 0"),
+    ({"kv_cache_disk_gb": "4"}, ">= 0"),
+    ({"kv_cache_disk_gb": 1, "tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"kv_cache_disk_gb": 1, "enable_prefix_caching": False}, "enable_prefix_caching")])
+def test_options_are_checked(options, message):
+    from wallbreaker import EngineConfig, InvalidRequestError
+    with pytest.raises(InvalidRequestError, match=message):
+        EngineConfig(**options)
+
+
+def test_queued_writes_are_finished_when_the_process_ends_without_shutdown(model, tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        from wallbreaker import LLM, SamplingParams
+        llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512,
+                  kv_cache_disk_dir=sys.argv[2], kv_cache_disk_gb=1)
+        llm.generate({"prompt_token_ids": list(range(3, 150))}, SamplingParams(max_tokens=1))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script, str(model), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(block_files(tmp_path)) == (150 - 3) // BS

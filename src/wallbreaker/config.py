@@ -304,6 +304,9 @@ class EngineConfig:
             raise InvalidRequestError("kv_cache_disk_gb must be a finite number >= 0 (0 turns the disk tier off)")
         if self.kv_cache_disk_gb and int(self.tensor_parallel_size) > 1:
             raise InvalidRequestError("kv_cache_disk_gb is not supported with tensor_parallel_size > 1 yet")
+        if self.kv_cache_disk_gb and not self.enable_prefix_caching:
+            raise InvalidRequestError("kv_cache_disk_gb needs enable_prefix_caching (the disk tier is the "
+                                      "prefix cache's)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
