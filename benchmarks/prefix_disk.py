@@ -13,7 +13,13 @@ process of its own, started afresh, so nothing survives in RAM between them:
   pages it reads are the pages that process computed. (Where reuse itself moves a near tie, as the
   `auto` path's rounding may when the tail is computed alone, this tells the tier from the reuse.)
 
+With --sessions, the same through the server's saved sessions instead (acceptance 4; the disk tier
+off): one server process saves the document (`POST /sessions/doc/save`) and exits; a new one restores
+it (`POST /sessions/doc/restore`) and streams the document plus the question; a third streams it
+cold. TTFT is the time to the first streamed chunk, as a client sees it.
+
     python benchmarks/prefix_disk.py                          # SmolLM2, the embedded default
+    python benchmarks/prefix_disk.py --sessions
     python benchmarks/prefix_disk.py --model qwen2.5-coder-1.5b --json benchmarks/results/prefix_disk_qwen1.5b.json
 
 The folders are temporary (never ~/.cache). Results: --json (default benchmarks/results/prefix_disk_<model>.json).
@@ -62,6 +68,91 @@ def one_process(args: argparse.Namespace) -> None:
                       "disk": {k: v for k, v in stats.items() if k.startswith("kv_disk_")}}))
 
 
+def one_server_process(args: argparse.Namespace) -> None:
+    """--role server: a real server (uvicorn, in a thread) on the session folder; save, or (restore
+    and) stream one turn; print one JSON line."""
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from wallbreaker import LLM
+    from wallbreaker.measure.workload import prompt_ids
+    from wallbreaker.server.app import build_app
+    from wallbreaker.server.run import uvicorn_config
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_disk_dir=args.disk_dir)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(build_app(llm, port=port), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    doc = prompt_ids(llm.tokenizer, args.prompt_tokens, "prefix disk benchmark document")
+    turn = doc + llm.tokenizer.encode(QUESTION, add_special_tokens=False)
+    result: dict = {}
+    if args.session == "save":
+        start = time.perf_counter()
+        r = httpx.post(f"{url}/sessions/doc/save", json={"prompt": doc}, timeout=900)
+        result = {"status": r.status_code, "save_s": time.perf_counter() - start, **r.json()}
+    else:
+        if args.session == "restore":
+            start = time.perf_counter()
+            r = httpx.post(f"{url}/sessions/doc/restore", json={}, timeout=900)
+            result = {"status": r.status_code, "restore_s": time.perf_counter() - start,
+                      "restored_tokens": r.json().get("num_tokens")}
+        body = {"prompt": turn, "max_tokens": args.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        text, first = "", None
+        start = time.perf_counter()
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices"):
+                        first = first if first is not None else time.perf_counter() - start
+                        text += chunk["choices"][0]["text"]
+        result.update(ttft_s=first, text=text)
+    server.should_exit = True
+    thread.join(30)
+    print(json.dumps(result))
+
+
+def sessions_main(args: argparse.Namespace) -> None:
+    from wallbreaker.measure.machine import describe_machine, machine_facts
+    from wallbreaker.measure.reporting import write_json
+    facts = machine_facts()
+    root = Path(tempfile.mkdtemp(prefix="wb-sessions-"))
+
+    def server(session: str, folder: Path) -> dict:
+        cmd = [sys.executable, __file__, "--role", "server", "--session", session, "--model", args.model or "",
+               "--dtype", args.dtype, "--prompt-tokens", str(args.prompt_tokens), "--max-tokens",
+               str(args.max_tokens), "--disk-dir", str(folder)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise SystemExit(f"a server run failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        saved = server("save", root / "shared")
+        warm = server("restore", root / "shared")
+        cold = server("cold", root / "empty")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {"model": args.model or "smollm2 (embedded default)", "dtype": args.dtype, "machine": facts,
+              "prompt_tokens": args.prompt_tokens, "saved": saved, "warm": warm, "cold": cold,
+              "speedup": cold["ttft_s"] / warm["ttft_s"],
+              "speedup_with_restore": cold["ttft_s"] / (warm["ttft_s"] + warm["restore_s"]),
+              "same_text": warm["text"] == cold["text"]}
+    name = (args.model or "smollm2").removesuffix(".gguf").rsplit("/", 1)[-1].lower()
+    path = write_json(args.json or RESULTS / f"prefix_sessions_{name}.json", result)
+    print(f"{describe_machine(facts)}\n{result['model']}, {args.dtype}: saved {saved['num_tokens']} tokens "
+          f"({saved['bytes'] / 1e6:.0f} MB) in {saved['save_s']:.2f} s; new server: restore {warm['restore_s']:.3f} s, "
+          f"next turn TTFT {warm['ttft_s']:.3f} s against {cold['ttft_s']:.2f} s cold ({result['speedup']:.1f}x; "
+          f"{result['speedup_with_restore']:.1f}x counting the restore), same text: {result['same_text']}; {path}")
+
+
 def spawn(args: argparse.Namespace, disk_gb: float, folder: Path | None, question: bool, warm_in_ram: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--role", "run", "--model", args.model or "", "--dtype", args.dtype,
            "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
@@ -75,7 +166,9 @@ def spawn(args: argparse.Namespace, disk_gb: float, folder: Path | None, questio
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", choices=("main", "run"), default="main")
+    ap.add_argument("--role", choices=("main", "run", "server"), default="main")
+    ap.add_argument("--sessions", action="store_true", help="measure saved sessions through the server")
+    ap.add_argument("--session", choices=("save", "restore", "cold"), default=None)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompt-tokens", type=int, default=4000)
@@ -91,6 +184,12 @@ def main() -> None:
         args.model = None
     if args.role == "run":
         one_process(args)
+        return
+    if args.role == "server":
+        one_server_process(args)
+        return
+    if args.sessions:
+        sessions_main(args)
         return
     from wallbreaker.measure.machine import describe_machine, machine_facts
     facts = machine_facts()
