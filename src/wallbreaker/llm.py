@@ -19,8 +19,8 @@ from .engine.model_runner import ModelRunner
 from .engine.scheduler import Scheduler
 from .engine.structured_output import StructuredOutputs
 from .engine.threads import ThreadGovernor
-from .errors import EngineError, InvalidRequestError
 from . import kernels
+from .errors import EngineError, InvalidRequestError
 from .formats import ModelFiles, open_model
 from .formats.packaged import cache_dir
 from .kernels.repack_cache import source_identity
@@ -130,8 +130,7 @@ class LLM:
     def _scheduler(self, num_blocks: int, max_len: int, disk: DiskKVCache | None = None) -> Scheduler:
         c = self.config
         pool = BlockPool(num_blocks, c.enable_prefix_caching)
-        manager = BlockManager(pool, c.kv_block_size, disk, disk.kv_cache.write_block if disk is not None else None)
-        return Scheduler(manager, c.max_num_seqs, c.max_num_batched_tokens, max_len)
+        return Scheduler(BlockManager(pool, c.kv_block_size, disk), c.max_num_seqs, c.max_num_batched_tokens, max_len)
 
     def _disk_tier(self) -> tuple[DiskKVCache | None, SessionStore | None]:
         """The prefix cache's disk tier (where `kv_cache_disk_gb` > 0) and the saved sessions'

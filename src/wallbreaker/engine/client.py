@@ -16,7 +16,7 @@ from .outputs import CompletionOutput, RequestOutput, StepFailure, StreamDelta
 from .structured_output import Grammar, GrammarError
 
 __all__ = ["CompletionOutput", "EngineClient", "EngineRequest", "Grammar", "GrammarError", "RequestOutput",
-           "SessionInfo", "SessionNotFoundError", "StepFailure", "check_session_name", "StepResult", "StreamDelta"]
+           "SessionInfo", "SessionNotFoundError", "StepFailure", "StepResult", "StreamDelta", "check_session_name"]
 
 
 @dataclass

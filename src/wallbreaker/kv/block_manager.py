@@ -7,7 +7,7 @@ block is ever written, so that is the one place copy-on-write is needed.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -27,19 +27,17 @@ class BlockStore(Protocol):
 
     def store(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None: ...
     def load(self, block_hash: bytes, token_ids: tuple[int, ...]) -> list[torch.Tensor] | None: ...
+    def write_block(self, block_id: int, parts: list[torch.Tensor]) -> None: ...
     def stats_dict(self) -> dict: ...
     def set_engine_idle(self, idle: bool) -> None: ...
 
 
 class BlockManager:
-    def __init__(self, pool: BlockPool, block_size: int, disk: BlockStore | None = None,
-                 write_block: Callable[[int, list[torch.Tensor]], None] | None = None):
-        """`disk`: where full blocks are also kept, and looked for when the RAM cache misses;
-        `write_block` puts pages it returns into a block of the pool (KVCache.write_block)."""
+    def __init__(self, pool: BlockPool, block_size: int, disk: BlockStore | None = None):
+        """`disk`: where full blocks are also kept, and looked for when the RAM cache misses."""
         self.pool = pool
         self.block_size = block_size
         self.disk = disk if pool.enable_prefix_caching else None
-        self.write_block = write_block
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -78,7 +76,7 @@ class BlockManager:
             if parts is None:
                 break
             block = self.pool.allocate()
-            self.write_block(block.block_id, parts)
+            self.disk.write_block(block.block_id, parts)
             self.pool.register(block, block_hash, tokens)
             loaded.append(block)
         return loaded

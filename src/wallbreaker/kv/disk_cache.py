@@ -6,13 +6,15 @@ holds what RAM holds and more: a block evicted from RAM, or lost with the proces
 disk). The engine thread only copies the block's pages out of the pool (a memcpy, before the slots
 can be reused) and queues them; a writer thread writes the file (kv_file.py: atomic, checksummed)
 and keeps the folder within its quota, least recently used first. The writer waits while the engine
-computes (unless half of MAX_PENDING_BYTES is queued) and runs at the lowest priority: on a CPU its
-checksums and copies would take cores and memory bandwidth from the steps (decode 5% slower, a
-4,000-token prompt's first token 3% later, measured on two cores), and a run without hits must not
-pay for the tier. A prompt whose prefix misses in
-RAM reads the following blocks from here, on the engine thread, each checked before use: its
-engine fingerprint, its key, its tokens, its checksum. A file that fails is counted (`bad`),
-removed, and its block computed again; a file gone (another process evicted it) is a miss.
+computes (unless half of MAX_PENDING_BYTES is queued) and runs at the lowest priority: a run without
+hits must not pay for the tier, and on a CPU the writer's checksums and copies take cores and memory
+bandwidth from the steps (two cores, SmolLM2, 4,000 tokens: decode 11% slower with the writer at
+normal priority beside the steps, 5% at nice 19; within noise once it also waits).
+
+A prompt whose prefix misses in RAM reads the following blocks from here, on the engine thread,
+each checked before use: its engine fingerprint, its key, its tokens, its checksum. A file that
+fails is counted (`bad`), removed, and its block computed again (and written anew); a file gone
+(another process evicted it) is a miss.
 
 A file is named by its key, SHA-256 over the engine fingerprint's digest and the chained block
 hash, so engines with different weights or page dtypes sharing one folder never read each other's
@@ -157,6 +159,10 @@ class DiskKVCache:
     def stats_dict(self) -> dict:
         return self.stats.as_dict()
 
+    def write_block(self, block_id: int, parts: list[torch.Tensor]) -> None:
+        """Put pages `load` returned into a block of the pool."""
+        self.kv_cache.write_block(block_id, parts)
+
     # -- the writer thread ------------------------------------------------------------------------
     def _start_writer(self) -> None:
         if self._writer is None or not self._writer.is_alive():
@@ -239,7 +245,7 @@ def _remove(path: Path) -> bool:
 
 def _lowest_priority() -> None:
     """The calling thread at nice 19 (Linux, where a thread has a priority of its own): writes take
-    the CPU the engine leaves, never a share of a step's (on two cores they cost decoding 11%)."""
+    the CPU the engine leaves."""
     if sys.platform == "linux":
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

@@ -4,10 +4,11 @@ the engine that may read it.
 A file is `MAGIC`, the header's length, a JSON header, then the payload: the pages' raw bytes as
 the pool stores them (int8 / fp8 pages with their float32 scales, never converted). The header
 names the engine's fingerprint, the tokens the pages stand for, each part's dtype and shape, and
-the payload's CRC-32 (a check against damage, not against someone who may write the folder: such a
-one could rewrite any checksum stored beside the data; CRC-32 runs 2.8x faster than SHA-256 here,
-and reading and checking is a warm prompt's whole load). `read` checks all of it and raises `KVFileError` naming the first thing that
-is wrong, so that a truncated, flipped, foreign or stale file is refused, never loaded.
+the payload's CRC-32: a check against damage, not against someone who may write the folder (such
+a one could rewrite any checksum kept beside the data); it runs 2.8x faster than SHA-256 here, and
+reading and checking is a warm prompt's whole load. `read` checks all of it and raises
+`KVFileError` naming the first thing that is wrong, so that a truncated, flipped, foreign or stale
+file is refused, never loaded.
 
 Writes go to a temporary file in the same folder, renamed over the name at the end (`os.replace`
 is atomic), so a reader sees a whole file or none. No fsync: after a power loss a torn file fails

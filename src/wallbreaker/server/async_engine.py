@@ -132,8 +132,12 @@ class AsyncEngine:
         future: asyncio.Future[T] = loop.create_future()
 
         def settle(error: BaseException | None, result: object) -> None:
-            if not future.done():
-                future.set_exception(error) if error is not None else future.set_result(result)
+            if future.done():  # the handler went away (a disconnect, a timeout)
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
 
         def run() -> None:
             try:

@@ -39,7 +39,7 @@ class ServerMetrics:
         self.e2e = Histogram("wallbreaker_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_E2E_BUCKETS, registry=r)
         self._last_token_time: dict[tuple[str, int], float] = {}
-        self._engine_stats: dict = {}
+        self.engine_stats: dict = {}  # the engine's last published snapshot (the disk counters read it)
         r.register(_DiskCounters(self))
 
     # Called on the engine thread --------------------------------------------------------------
@@ -83,7 +83,7 @@ class ServerMetrics:
         self.kv_blocks_total.set(stats.get("kv_blocks_total", 0))
         self.spec_acceptance_rate.set(stats.get("spec_acceptance_rate") or 0.0)
         self.queue_length.set(queue_length)
-        self._engine_stats = stats
+        self.engine_stats = stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -106,6 +106,6 @@ class _DiskCounters:
         self.metrics = metrics
 
     def collect(self):
-        stats = self.metrics._engine_stats
+        stats = self.metrics.engine_stats
         for key, name, text in DISK_COUNTERS:
             yield CounterMetricFamily(name, text, value=stats.get(key, 0))
