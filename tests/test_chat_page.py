@@ -66,7 +66,8 @@ def paced_engine() -> Iterator[None]:
 
 @contextmanager
 def serve(model: Path | str | None, *, dtype: str = "float32", **server_options) -> Iterator[str]:
-    engine_options = {k: server_options.pop(k) for k in ("speculative_method",) if k in server_options}
+    engine_options = {k: server_options.pop(k) for k in ("speculative_method", "kv_cache_disk_dir", "kv_cache_disk_gb")
+                      if k in server_options}
     llm = LLM(model, dtype=dtype, max_model_len=512 if dtype == "float32" else 2048, max_num_seqs=4,
               **engine_options)
     with running_server(build_app(llm, port=free_port(), **server_options)) as url:
@@ -462,3 +463,21 @@ def test_speculative_engine_behind_the_page(browser, tiny_llama):
         assert rate > 0
         wait_until(lambda: browser.find_element("id", "m-spec").text == f"{100 * rate:.1f}%",
                    what=f"the panel to show the acceptance rate {100 * rate:.1f}%")
+
+
+def test_the_panel_shows_the_disk_tiers_hits(browser, tiny_llama, tmp_path):
+    """A prompt an earlier engine wrote to the disk tier is read from there; the panel counts its blocks."""
+    if REAL_MODEL:
+        pytest.skip("tiny model only")
+    from wallbreaker import SamplingParams
+    prompt = [(5 * i) % 200 + 3 for i in range(100)]  # 6 full blocks of 16, and the last token's
+    earlier = LLM(tiny_llama.gguf_path, dtype="float32", max_model_len=512, kv_cache_disk_dir=str(tmp_path),
+                  kv_cache_disk_gb=0.1)
+    earlier.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    earlier.shutdown()
+    with serve(tiny_llama.gguf_path, kv_cache_disk_dir=str(tmp_path), kv_cache_disk_gb=0.1) as url:
+        open_page(browser, url)
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert wait_for_metric(url, "wallbreaker_kv_disk_hits_total", 6)["wallbreaker_kv_disk_hits_total"] == 6
+        wait_until(lambda: browser.find_element("id", "m-disk").text == "6 blocks", what="the panel to show 6 disk hits")

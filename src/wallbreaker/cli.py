@@ -30,6 +30,9 @@ HELP = {
                    "under tensor parallelism, the cores per rank)",
     "kv_cache_memory_gb": "the KV pool, GiB (default: half the free memory after the weights and 1 GB, at most 4, "
                           "no more than needed)",
+    "kv_cache_disk_dir": "the prefix cache's disk tier and saved sessions (default: ~/.cache/wallbreaker/kv)",
+    "kv_cache_disk_gb": "GiB of KV blocks kept on disk across restarts, least recently used evicted "
+                        "(default: 0, off)",
     "max_model_len": "tokens a sequence may reach (default: the model's context, capped at what the pool holds)",
     "speculative_method": "ngram (prompt lookup) or draft (--speculative-model)",
     "num_speculative_tokens": "drafts a step at most (K)",

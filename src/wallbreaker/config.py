@@ -268,6 +268,13 @@ class EngineConfig:
     num_threads: int | None = None
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0  # a rank silent this long in a collective fails the engine
+    # The prefix cache's disk tier (kv/disk_cache.py) and saved sessions (kv/sessions.py) live in
+    # kv_cache_disk_dir (None: ~/.cache/wallbreaker/kv, or $WALLBREAKER_CACHE/kv). kv_cache_disk_gb
+    # bounds the tier; 0, the default, turns it off: llama.cpp's and vLLM's users do not expect an
+    # engine to write gigabytes to disk they did not ask for, and on a fast prompt the tier only costs.
+    # Sessions are written only when asked for (LLM.save_prefix, the server's /sessions), tier or not.
+    kv_cache_disk_dir: str | None = None
+    kv_cache_disk_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -292,6 +299,14 @@ class EngineConfig:
             raise InvalidRequestError("tensor_parallel_size must be at least 1")
         if not self.tensor_parallel_timeout_s > 0:
             raise InvalidRequestError("tensor_parallel_timeout_s must be positive")
+        if not (isinstance(self.kv_cache_disk_gb, Real) and math.isfinite(self.kv_cache_disk_gb)
+                and self.kv_cache_disk_gb >= 0):
+            raise InvalidRequestError("kv_cache_disk_gb must be a finite number >= 0 (0 turns the disk tier off)")
+        if self.kv_cache_disk_gb and int(self.tensor_parallel_size) > 1:
+            raise InvalidRequestError("kv_cache_disk_gb is not supported with tensor_parallel_size > 1 yet")
+        if self.kv_cache_disk_gb and not self.enable_prefix_caching:
+            raise InvalidRequestError("kv_cache_disk_gb needs enable_prefix_caching (the disk tier is the "
+                                      "prefix cache's)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

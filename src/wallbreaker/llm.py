@@ -6,6 +6,7 @@ import logging
 import os
 import time
 import weakref
+from pathlib import Path
 from typing import Any, Iterator, Sequence as Seq
 
 import psutil
@@ -18,10 +19,16 @@ from .engine.model_runner import ModelRunner
 from .engine.scheduler import Scheduler
 from .engine.structured_output import StructuredOutputs
 from .engine.threads import ThreadGovernor
+from . import kernels
 from .errors import EngineError, InvalidRequestError
 from .formats import ModelFiles, open_model
+from .formats.packaged import cache_dir
+from .kernels.repack_cache import source_identity
 from .kv import BlockManager, BlockPool
 from .kv.cache import default_num_blocks, make_kv_cache
+from .kv.disk_cache import DiskKVCache
+from .kv.kv_file import engine_fingerprint
+from .kv.sessions import SessionInfo, SessionStore
 from .layers.linear import mapped_bytes, module_bytes
 from .layers.shard import check_splittable
 from .models import load_model
@@ -86,6 +93,7 @@ class LLM:
         else:
             runner = self._start_tensor_parallel(files, num_blocks, vocab_limit)
             self.model, self.kv_cache = runner.model, runner.kv_cache
+        self.kv_disk, sessions = self._disk_tier()
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
         structured = StructuredOutputs(self.tokenizer, eos)
         speculator = self._speculator(max_len, structured, files.weight_bytes) \
@@ -93,8 +101,8 @@ class LLM:
         governor = None
         if self.config.num_threads is None and self.config.tensor_parallel_size == 1:
             governor = ThreadGovernor(torch.get_num_threads())
-        self.engine = LLMEngine(runner, self.tokenizer, self._scheduler(num_blocks, max_len), eos, structured,
-                                speculator, governor)
+        self.engine = LLMEngine(runner, self.tokenizer, self._scheduler(num_blocks, max_len, self.kv_disk), eos,
+                                structured, speculator, governor, sessions)
         self.weight_bytes = module_bytes(self.model)
         self.weight_bytes_mapped = mapped_bytes(self.model)  # read from the model file or the repack cache
         self.load_time_s = time.perf_counter() - start
@@ -119,10 +127,31 @@ class LLM:
         return default_num_blocks(self.model_config, c.kv_block_size, c.kv_cache_torch_dtype, c.kv_cache_memory_gb,
                                   c.max_num_seqs * max_len, weight_bytes)
 
-    def _scheduler(self, num_blocks: int, max_len: int) -> Scheduler:
+    def _scheduler(self, num_blocks: int, max_len: int, disk: DiskKVCache | None = None) -> Scheduler:
         c = self.config
         pool = BlockPool(num_blocks, c.enable_prefix_caching)
-        return Scheduler(BlockManager(pool, c.kv_block_size), c.max_num_seqs, c.max_num_batched_tokens, max_len)
+        return Scheduler(BlockManager(pool, c.kv_block_size, disk), c.max_num_seqs, c.max_num_batched_tokens, max_len)
+
+    def _disk_tier(self) -> tuple[DiskKVCache | None, SessionStore | None]:
+        """The prefix cache's disk tier (where `kv_cache_disk_gb` > 0) and the saved sessions'
+        store, in `kv_cache_disk_dir`; neither under tensor parallelism (each rank would need its
+        shard read and written: not yet), nor without the prefix cache."""
+        c = self.config
+        if c.tensor_parallel_size > 1 or not c.enable_prefix_caching:
+            return None, None
+        root = Path(c.kv_cache_disk_dir) if c.kv_cache_disk_dir else cache_dir() / "kv"
+        layers, _, heads, _, head_dim = self.kv_cache.tensor.shape
+        fingerprint = engine_fingerprint(source_identity(self.model_path), c.dtype,
+                                         kernels.isa() if c.packed_weights else "torch", self.kv_cache.dtype,
+                                         c.kv_block_size, (layers, heads, head_dim))
+        disk = None
+        if c.kv_cache_disk_gb:
+            try:
+                disk = DiskKVCache(root / "blocks", int(c.kv_cache_disk_gb * 2**30), fingerprint, self.kv_cache)
+            except OSError as e:
+                raise InvalidRequestError(f"kv_cache_disk_dir {root}: {e.strerror or e}") from None
+            weakref.finalize(self, disk.close)  # what is queued is written before the process ends
+        return disk, SessionStore(root / "sessions", fingerprint, self.kv_cache)
 
     def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int, vocab_limit: int) -> ModelRunner:
         """Start the workers (or join torchrun's ranks) and load rank 0's shard; see parallel/."""
@@ -140,9 +169,12 @@ class LLM:
         return open_model(self.model_path)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        """Stop the tensor-parallel workers, if any, and finish the disk tier's writes (both also
+        done at interpreter exit)."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self.kv_disk is not None:
+            self.kv_disk.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -295,3 +327,25 @@ class LLM:
                 "weight_bytes_resident": self.weight_bytes - self.weight_bytes_mapped,
                 "kv_cache_bytes": self.kv_cache.nbytes, "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
                 "rss_bytes": psutil.Process().memory_info().rss}
+
+    # -- saved sessions ------------------------------------------------------------------------
+    def save_prefix(self, prompt: PromptType | list[dict], name: str) -> SessionInfo:
+        """Compute (or find cached) the K/V of a prompt, or of a conversation's messages through the
+        chat template (without the generation prompt, so that the next turn starts with it), and
+        save its full blocks as session `name` in `kv_cache_disk_dir`/sessions. A later
+        `load_prefix(name)`, in this process or another of the same model and settings, puts them
+        back into the prefix cache. A prompt's `cache_salt` (dict form) is kept: only requests with
+        that salt hit the restored blocks."""
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            text, token_ids = self.encode_chat(prompt, add_generation_prompt=False)
+            salt = None
+        else:
+            (text, token_ids), salt = self.encode(prompt), _cache_salt(prompt)
+        self._run([(text, token_ids, salt)], SamplingParams(max_tokens=1, temperature=0.0), False)
+        return self.engine.save_session(name, token_ids, salt)
+
+    def load_prefix(self, name: str) -> SessionInfo:
+        """Put saved session `name` back into the prefix cache (as far as the KV pool has room):
+        the next prompt that starts with its tokens computes only the rest. `InvalidRequestError`
+        naming the difference when the session was saved by another model or other settings."""
+        return self.engine.load_session(name)[0]

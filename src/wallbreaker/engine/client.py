@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..kv.sessions import SessionInfo, SessionNotFoundError, check_session_name
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .outputs import CompletionOutput, RequestOutput, StepFailure, StreamDelta
 from .structured_output import Grammar, GrammarError
 
 __all__ = ["CompletionOutput", "EngineClient", "EngineRequest", "Grammar", "GrammarError", "RequestOutput",
-           "StepFailure", "StepResult", "StreamDelta"]
+           "SessionInfo", "SessionNotFoundError", "StepFailure", "StepResult", "StreamDelta", "check_session_name"]
 
 
 @dataclass
@@ -60,3 +61,14 @@ class EngineClient(Protocol):
     def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar: ...
     def live_stats(self) -> dict: ...
     def stats(self) -> dict: ...
+
+    def save_session(self, name: str, token_ids: list[int], cache_salt: str | None = None) -> SessionInfo:
+        """Save the prefix cache's blocks of `token_ids` (run them first) as session `name`."""
+        ...
+
+    def load_session(self, name: str) -> tuple[SessionInfo, list[int]]:
+        """Put session `name`'s blocks into the prefix cache. `SessionNotFoundError` for an unknown
+        name; `InvalidRequestError` naming the difference for one saved by another model or settings."""
+        ...
+
+    def delete_session(self, name: str) -> SessionInfo: ...

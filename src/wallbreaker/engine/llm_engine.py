@@ -12,6 +12,7 @@ import torch
 
 from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
+from ..kv.sessions import SessionInfo, SessionStore
 from ..layers.sampler import sample, top_logprobs
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .client import EngineRequest, StepResult
@@ -66,7 +67,8 @@ class LLMEngine:
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, scheduler: Scheduler,
                  eos_token_ids: frozenset[int], structured: StructuredOutputs | None = None,
-                 speculator: Speculation | None = None, governor: ThreadGovernor | None = None):
+                 speculator: Speculation | None = None, governor: ThreadGovernor | None = None,
+                 sessions: SessionStore | None = None):
         """`structured`: the constraints' compiler and masks (made from the tokenizer where not given;
         a draft model shares its target's). `governor`: picks each decode step's thread count
         (engine/threads.py); None leaves torch's as it is."""
@@ -77,6 +79,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator
         self.governor = governor
+        self.sessions = sessions  # saved sessions (kv/sessions.py); None: not available (tensor parallelism)
         self.vocab_limit = runner.vocab_limit
         self.structured = structured or StructuredOutputs(tokenizer, eos_token_ids)
         self._requests: dict[str, Request] = {}
@@ -358,6 +361,24 @@ class LLMEngine:
             decode_tokens = generated - len(seqs)
             metrics["decode_tokens_per_s"] = decode_tokens / (last - first) if last > first and decode_tokens > 0 else 0.0
         return metrics
+
+    # -- saved sessions ---------------------------------------------------------------------------
+    def save_session(self, name: str, token_ids: list[int], cache_salt: str | None = None) -> SessionInfo:
+        """Save the prefix cache's blocks of `token_ids` (computed by a request just before) as `name`."""
+        return self._session_store().save(name, token_ids, cache_salt, self.scheduler.block_manager)
+
+    def load_session(self, name: str) -> tuple[SessionInfo, list[int]]:
+        """Put session `name`'s blocks into the prefix cache; its facts and its token ids."""
+        return self._session_store().load(name, self.scheduler.block_manager)
+
+    def delete_session(self, name: str) -> SessionInfo:
+        return self._session_store().delete(name)
+
+    def _session_store(self) -> SessionStore:
+        if self.sessions is None:
+            raise InvalidRequestError("saved sessions need the prefix cache, and are not supported under "
+                                      "tensor parallelism yet")
+        return self.sessions
 
     def live_stats(self) -> dict:
         """The few counts a server publishes after every step; O(1), unlike `stats`."""

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv import BlockManager
+from ..kv.disk_cache import DiskStats
 from .outputs import StreamDelta
 from .sequence import Sequence, SequenceStatus
 
@@ -119,7 +120,13 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+        self._tell_disk()
         return batch
+
+    def _tell_disk(self) -> None:
+        """The disk tier writes while the engine has nothing to compute (kv/disk_cache.py)."""
+        if self.block_manager.disk is not None:
+            self.block_manager.disk.set_engine_idle(not self.has_unfinished())
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -187,6 +194,7 @@ class Scheduler:
                 bm.trim(seq, computed)
         for seq in batch.seqs + self.running:  # verified, or not scheduled: either way done with
             seq.drop_drafts()
+        self._tell_disk()
         return deltas
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -198,11 +206,14 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._tell_disk()
 
     def live_stats(self) -> dict:
         pool = self.block_manager.pool
+        disk = self.block_manager.disk
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks}
+                "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks,
+                **(disk.stats_dict() if disk is not None else DiskStats().as_dict())}
 
     def stats(self) -> dict:
         """The queues and the pool: blocks, the tokens they hold, the share of slots wasted (the

@@ -7,7 +7,9 @@ block is ever written, so that is the one place copy-on-write is needed.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Iterator, Protocol
+
+import torch
 
 from .block_pool import Block, BlockPool, hash_block, salt_digest
 
@@ -20,41 +22,81 @@ class PagedSequence(Protocol):
     cache_salt: str | None
 
 
+class BlockStore(Protocol):
+    """A tier below the RAM prefix cache (kv/disk_cache.py): full blocks' pages by key."""
+
+    def store(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None: ...
+    def load(self, block_hash: bytes, token_ids: tuple[int, ...]) -> list[torch.Tensor] | None: ...
+    def write_block(self, block_id: int, parts: list[torch.Tensor]) -> None: ...
+    def stats_dict(self) -> dict: ...
+    def set_engine_idle(self, idle: bool) -> None: ...
+
+
 class BlockManager:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, disk: BlockStore | None = None):
+        """`disk`: where full blocks are also kept, and looked for when the RAM cache misses."""
         self.pool = pool
         self.block_size = block_size
+        self.disk = disk if pool.enable_prefix_caching else None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, seq: PagedSequence) -> list[Block]:
-        """Cached full blocks matching the start of `seq`. The last token is never covered: its
-        logits are needed, so at least it is computed again."""
-        blocks: list[Block] = []
-        parent = salt_digest(seq.cache_salt)
-        for i in range((len(seq.token_ids) - 1) // self.block_size):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+    def prompt_blocks(self, token_ids: list[int], cache_salt: str | None,
+                      num_tokens: int | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+        """(chained hash, tokens) of each full block of the first `num_tokens` tokens (default: all
+        but the last, whose logits are needed, so at least it is computed again)."""
+        end = len(token_ids) - 1 if num_tokens is None else num_tokens
+        parent = salt_digest(cache_salt)
+        for i in range(end // self.block_size):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             parent = hash_block(parent, tokens)
-            block = self.pool.lookup(parent, tokens)
+            yield parent, tokens
+
+    def cached_prefix(self, seq: PagedSequence) -> list[Block]:
+        """Cached full blocks matching the start of `seq` in RAM. The last token is never covered."""
+        blocks: list[Block] = []
+        for block_hash, tokens in self.prompt_blocks(seq.token_ids, seq.cache_salt):
+            block = self.pool.lookup(block_hash, tokens)
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
+    def _load_from_disk(self, seq: PagedSequence, start: int) -> list[Block]:
+        """The blocks of `seq` from its `start`-th on, read from the disk tier while they are found and
+        the pool has room; each taken (ref_count 1) and registered in the RAM cache."""
+        loaded: list[Block] = []
+        for i, (block_hash, tokens) in enumerate(self.prompt_blocks(seq.token_ids, seq.cache_salt)):
+            if i < start:
+                continue
+            if self.pool.num_free <= 1:
+                break
+            parts = self.disk.load(block_hash, tokens)
+            if parts is None:
+                break
+            block = self.pool.allocate()
+            self.disk.write_block(block.block_id, parts)
+            self.pool.register(block, block_hash, tokens)
+            loaded.append(block)
+        return loaded
+
     def allocate_prompt(self, seq: PagedSequence, max_new_tokens: int, reuse_prefix: bool = True) -> int:
-        """Start a sequence that holds no blocks: reuse its cached prefix, then take blocks for up to
-        `max_new_tokens` more tokens. Returns the number of tokens to compute now (0: no room)."""
+        """Start a sequence that holds no blocks: reuse its cached prefix (from RAM, then from the disk
+        tier), then take blocks for up to `max_new_tokens` more tokens. Returns the number of tokens
+        to compute now (0: no room; blocks read from disk then stay in the RAM cache)."""
         assert not seq.block_table
         hits = self.cached_prefix(seq) if reuse_prefix and self.pool.enable_prefix_caching else []
+        for block in hits:  # held first, so that reading from disk cannot evict them
+            self.pool.retain(block)
+        if reuse_prefix and self.disk is not None and len(hits) < (len(seq.token_ids) - 1) // self.block_size:
+            hits += self._load_from_disk(seq, len(hits))
         computed = len(hits) * self.block_size
         num_new = min(len(seq.token_ids) - computed, max_new_tokens)
-        revived = sum(1 for b in hits if b.ref_count == 0)
-        fresh = self.blocks_needed(computed + num_new) - len(hits)
-        if revived + fresh > self.pool.num_free:
+        if self.blocks_needed(computed + num_new) - len(hits) > self.pool.num_free:
+            for block in reversed(hits):
+                self.pool.release(block)
             return 0
-        for block in hits:
-            self.pool.retain(block)
         seq.block_table = [b.block_id for b in hits]
         seq.block_hashes = [b.hash for b in hits]
         seq.num_computed_tokens = computed
@@ -83,7 +125,8 @@ class BlockManager:
         return copies
 
     def commit(self, seq: PagedSequence, num_new_tokens: int) -> None:
-        """The step computed these tokens: advance, and offer every newly full block to the prefix cache."""
+        """The step computed these tokens: advance, and offer every newly full block to the prefix cache
+        (and to the disk tier, which writes the blocks the RAM cache takes)."""
         seq.num_computed_tokens += num_new_tokens
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
@@ -91,7 +134,9 @@ class BlockManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else salt_digest(seq.cache_salt)
             block_hash = hash_block(parent, tokens)
             seq.block_hashes.append(block_hash)
-            self.pool.register(self.pool.blocks[seq.block_table[i]], block_hash, tokens)
+            block = self.pool.blocks[seq.block_table[i]]
+            if self.pool.register(block, block_hash, tokens) and self.disk is not None:
+                self.disk.store(block.block_id, block_hash, tokens)
 
     def fork(self, parent: PagedSequence, child: PagedSequence) -> None:
         """`child` shares every block of `parent`; the first write to a shared tail copies it."""

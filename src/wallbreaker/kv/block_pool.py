@@ -86,16 +86,22 @@ class BlockPool:
                 self._free.move_to_end(block.block_id, last=False)
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> Block | None:
+        """The cached block of this key and these tokens, counted as a prefix-cache query."""
         self.prefix_queries += 1
-        block = self._cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
-            return None
-        self.prefix_hits += 1
+        block = self.cached(block_hash, token_ids)
+        if block is not None:
+            self.prefix_hits += 1
         return block
 
-    def register(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        """Offer a newly full block to the prefix cache (the first block with a given key wins)."""
+    def cached(self, block_hash: bytes, token_ids: tuple[int, ...]) -> Block | None:
+        block = self._cached.get(block_hash)
+        return block if block is not None and block.token_ids == token_ids else None
+
+    def register(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...]) -> bool:
+        """Offer a newly full block to the prefix cache (the first block with a given key wins).
+        True if it is now the cached block of that key."""
         if not self.enable_prefix_caching or block.hash is not None or block_hash in self._cached:
-            return
+            return False
         block.hash, block.token_ids = block_hash, token_ids
         self._cached[block_hash] = block
+        return True

@@ -82,6 +82,37 @@ class KVCache:
             if self.scales is not None:
                 self.scales[:, :, :, dst.flatten()] = self.scales[:, :, :, src.flatten()]
 
+    # -- one block's pages, for the disk tier and saved sessions (kv/disk_cache.py, kv/sessions.py) --
+    def read_block(self, block_id: int) -> list[torch.Tensor]:
+        """Copies of block `block_id`'s pages, [layers, K/V, kv_heads, block_size, head_dim], and of
+        their scales (int8 / fp8 pages), [layers, K/V, kv_heads, block_size]: in the pool's dtype."""
+        slots = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        parts = [self.tensor[:, :, :, slots].clone()]
+        if self.scales is not None:
+            parts.append(self.scales[:, :, :, slots].clone())
+        return parts
+
+    def write_block(self, block_id: int, parts: list[torch.Tensor]) -> None:
+        """Block `block_id`'s pages (and scales) set from `read_block`'s shapes and dtypes."""
+        slots = slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+        self.tensor[:, :, :, slots] = parts[0]
+        if self.scales is not None:
+            self.scales[:, :, :, slots] = parts[1]
+
+    @property
+    def block_shapes(self) -> list[tuple[int, ...]]:
+        layers, kv, heads, _, head_dim = self.tensor.shape
+        shapes = [(layers, kv, heads, self.block_size, head_dim)]
+        return shapes + [(layers, kv, heads, self.block_size)] if self.scales is not None else shapes
+
+    @property
+    def block_dtypes(self) -> list[torch.dtype]:
+        return [self.tensor.dtype] + ([torch.float32] if self.scales is not None else [])
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(math.prod(s) * d.itemsize for s, d in zip(self.block_shapes, self.block_dtypes))
+
     @property
     def nbytes(self) -> int:
         extra = sum(t.numel() * t.element_size() for t in (self.scales, self.offsets) if t is not None)

@@ -22,6 +22,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeReques
 from .responses import ModelCard, ModelList
 from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
+from .sessions import add_session_routes
 from .static import add_chat_page
 from .state import ServerState
 from .tokenize import detokenize, tokenize
@@ -89,6 +90,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(request, state)
 
+    add_session_routes(app, state, v1)  # POST /sessions/{name}/save|restore, DELETE /sessions/{name}
     add_chat_page(app)  # GET / and /static/*: the chat page, never behind the key (it holds no secret)
     return app
 

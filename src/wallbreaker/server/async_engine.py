@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 from ..engine.client import EngineClient, EngineRequest, RequestOutput, StreamDelta
 from ..llm import LLM
@@ -34,6 +35,7 @@ from .errors import APIError, bad_request, queue_full
 from .metrics import ServerMetrics
 
 logger = logging.getLogger("wallbreaker.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -121,6 +123,33 @@ class AsyncEngine:
         handle = RequestHandle(self, requests, stream)
         self._command(partial(self._add, handle, requests))
         return handle
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between two steps (it may touch the engine's state, as saving
+        or restoring a session does); its result, or its exception raised here."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(error: BaseException | None, result: object) -> None:
+            if future.done():  # the handler went away (a disconnect, a timeout)
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def run() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as e:
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(settle, error, result)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                pass
+        self._command(run)
+        return await future
 
     @property
     def queue_length(self) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from ..engine.client import RequestOutput, StreamDelta
 
@@ -38,6 +39,8 @@ class ServerMetrics:
         self.e2e = Histogram("wallbreaker_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_E2E_BUCKETS, registry=r)
         self._last_token_time: dict[tuple[str, int], float] = {}
+        self.engine_stats: dict = {}  # the engine's last published snapshot (the disk counters read it)
+        r.register(_DiskCounters(self))
 
     # Called on the engine thread --------------------------------------------------------------
     def on_added(self, num_prompt_tokens: int) -> None:
@@ -80,6 +83,29 @@ class ServerMetrics:
         self.kv_blocks_total.set(stats.get("kv_blocks_total", 0))
         self.spec_acceptance_rate.set(stats.get("spec_acceptance_rate") or 0.0)
         self.queue_length.set(queue_length)
+        self.engine_stats = stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# The disk tier's counts (kv/disk_cache.py), counted by the engine: published from its snapshot as
+# counters, (stats key, metric name without _total, help).
+DISK_COUNTERS = (
+    ("kv_disk_hits", "wallbreaker_kv_disk_hits", "KV blocks read from the prefix cache's disk tier"),
+    ("kv_disk_misses", "wallbreaker_kv_disk_misses", "Prefix lookups past RAM that found no block on disk"),
+    ("kv_disk_bad", "wallbreaker_kv_disk_bad_entries", "Disk-tier files refused (corrupt, truncated, foreign) and recomputed"),
+    ("kv_disk_bytes_read", "wallbreaker_kv_disk_read_bytes", "Bytes read from the disk tier"),
+    ("kv_disk_bytes_written", "wallbreaker_kv_disk_written_bytes", "Bytes written to the disk tier"),
+    ("kv_disk_write_errors", "wallbreaker_kv_disk_write_errors", "Disk-tier writes that failed (a full disk)"),
+)
+
+
+class _DiskCounters:
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.metrics.engine_stats
+        for key, name, text in DISK_COUNTERS:
+            yield CounterMetricFamily(name, text, value=stats.get(key, 0))

@@ -396,6 +396,10 @@ function showMetrics(samples) {
   state.lastGenerated = generated === undefined ? null : [generated, now];
   show("m-rate", perS === undefined ? undefined : `${perS.toFixed(0)} tok/s`);
   show("m-gen", generated === undefined ? undefined : generated.toLocaleString("en-US"));
+  const diskHits = get("wallbreaker_kv_disk_hits_total");
+  const diskBad = get("wallbreaker_kv_disk_bad_entries_total");
+  show("m-disk", diskHits === undefined ? undefined
+    : `${diskHits.toLocaleString("en-US")} blocks` + (diskBad ? ` (${diskBad} bad)` : ""));
 }
 
 async function pollMetrics() {

@@ -1,0 +1,133 @@
+"""Saved sessions: a prompt's cached prefix written to a named file, and read back into the prefix
+cache later (in another process, after a restart), as llama-server's slot save / restore does.
+
+A session file (kv_file.py's format) holds the prefix's tokens, the root of its block-hash chain
+(the digest of its `cache_salt`, never the salt itself) and every full block's pages in one
+payload. Restoring checks the file whole (fingerprint, checksum, shapes), recomputes each block's
+key from the tokens, and puts the blocks into the RAM prefix cache as free cached blocks: the next
+request that starts with those tokens (and has the same salt) hits them, as if it had computed them.
+A session written by another engine (other weights, dtype, page dtype, block size) is refused with
+the field that differs. Sessions are explicit and named, so the disk tier's quota never evicts them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidRequestError
+from .block_manager import BlockManager
+from .block_pool import Block, hash_block, salt_digest
+from .cache import KVCache
+from .kv_file import FingerprintMismatch, KVFileError, read, write_atomic
+
+SUFFIX = ".kvs"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class SessionNotFoundError(InvalidRequestError):
+    """No saved session has this name."""
+
+
+def check_session_name(name: object) -> None:
+    """A name is a file name of its own in the sessions folder: no path, no hidden file."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise InvalidRequestError("a session name is 1 to 128 letters, digits, '.', '_' or '-', "
+                                  "starting with a letter or digit", param="name")
+
+
+@dataclass
+class SessionInfo:
+    name: str
+    num_tokens: int  # tokens whose K/V the session holds (its full blocks)
+    num_blocks: int
+    nbytes: int  # of the session file
+
+
+class SessionStore:
+    def __init__(self, directory: Path, fingerprint: dict, kv_cache: KVCache):
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.kv_cache = kv_cache
+
+    def path(self, name: str) -> Path:
+        check_session_name(name)
+        return self.directory / f"{name}{SUFFIX}"
+
+    def delete(self, name: str) -> SessionInfo:
+        path = self.path(name)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            raise SessionNotFoundError(f"no saved session named {name!r}", param="name") from None
+        return SessionInfo(name, 0, 0, size)
+
+    def save(self, name: str, token_ids: list[int], cache_salt: str | None, manager: BlockManager) -> SessionInfo:
+        """Write the cached full blocks of `token_ids` (the RAM prefix cache's, as far as they go
+        unbroken from the start) as session `name`, replacing any of that name."""
+        path = self.path(name)
+        blocks: list[Block] = []
+        for block_hash, tokens in manager.prompt_blocks(token_ids, cache_salt, len(token_ids)):
+            block = manager.pool.cached(block_hash, tokens)
+            if block is None:
+                break
+            blocks.append(block)
+        if not blocks:
+            raise InvalidRequestError(f"nothing of the prompt is in the prefix cache to save (it needs at least "
+                                      f"{manager.block_size} tokens, one full block)", param="prompt")
+        pages = [self.kv_cache.read_block(b.block_id) for b in blocks]
+        parts = [torch.stack([p[i] for p in pages]) for i in range(len(pages[0]))]  # [blocks, ...] each
+        root = salt_digest(cache_salt)
+        num_tokens = len(blocks) * manager.block_size
+        header = {"fingerprint": self.fingerprint, "kind": "session", "name": name,
+                  "salt_root": root.hex() if root is not None else None, "token_ids": token_ids[:num_tokens]}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        nbytes = write_atomic(path, header, parts)
+        return SessionInfo(name, num_tokens, len(blocks), nbytes)
+
+    def load(self, name: str, manager: BlockManager) -> tuple[SessionInfo, list[int]]:
+        """Put session `name`'s blocks into the RAM prefix cache, as far as the pool has room; the
+        session's facts (`num_tokens`: the tokens restored) and its token ids."""
+        path = self.path(name)
+        try:
+            header, parts, nbytes = read(path, self.fingerprint)
+        except FileNotFoundError:
+            raise SessionNotFoundError(f"no saved session named {name!r}", param="name") from None
+        except FingerprintMismatch as e:
+            raise InvalidRequestError(f"session {name!r} cannot be restored into this engine: {e}", param="name") from None
+        except (KVFileError, OSError) as e:
+            raise InvalidRequestError(f"session {name!r} is not usable: {e}", param="name") from None
+        token_ids, root = header.get("token_ids"), header.get("salt_root")
+        bs = manager.block_size
+        try:
+            root_bytes = bytes.fromhex(root) if root is not None else None
+            if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+                raise ValueError("bad token ids")
+            num_blocks = len(token_ids) // bs
+            if len(token_ids) % bs or [tuple(p.shape) for p in parts] != [(num_blocks, *s) for s in self.kv_cache.block_shapes] \
+                    or [p.dtype for p in parts] != self.kv_cache.block_dtypes:
+                raise ValueError("its pages do not match its tokens")
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(f"session {name!r} is not usable: {e}", param="name") from None
+        pool = manager.pool
+        held: list[Block] = []
+        parent = root_bytes
+        for i in range(num_blocks):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block(parent, tokens)
+            block = pool.cached(parent, tokens)
+            if block is not None:
+                pool.retain(block)
+            elif pool.num_free:
+                block = pool.allocate()
+                self.kv_cache.write_block(block.block_id, [p[i] for p in parts])
+                pool.register(block, parent, tokens)
+            else:
+                break
+            held.append(block)
+        for block in reversed(held):  # the first block freed last: the last the pool evicts
+            pool.release(block)
+        return SessionInfo(name, len(held) * bs, len(held), nbytes), token_ids
