@@ -193,9 +193,12 @@ class LLM:
         raise InvalidRequestError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """The conversation through the chat template (which receives `tools`, OpenAI's shape), tokenized."""
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+                    add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """The conversation through the chat template (which receives `tools`, OpenAI's shape, and the
+        `chat_template_kwargs` as variables, e.g. `enable_thinking`), tokenized."""
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **(chat_template_kwargs or {}))
         bos = self.tokenizer.bos_token
         add_special = not (bos and text.startswith(bos))
         return text, self.tokenizer.encode(text, add_special_tokens=add_special)

@@ -35,20 +35,34 @@ def completion_prompts(state: ServerState, prompt: str | list, max_tokens: int |
     return encoded
 
 
+# Variables the template gets from the server itself: a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                         "bos_token", "eos_token"})
+
+
 def chat_prompt(state: ServerState, messages: list[ChatMessage], max_tokens: int | None,
-                tools: ToolPlan | None = None) -> Encoded:
-    """The conversation through the chat template, with the plan's tools (server/tools.py)."""
+                tools: ToolPlan | None = None, template_kwargs: dict | None = None) -> Encoded:
+    """The conversation through the chat template, with the plan's tools (server/tools.py) and the
+    request's `chat_template_kwargs`."""
+    check_template_kwargs(template_kwargs)
     if not messages:
         raise bad_request("messages is empty", param="messages")
     rendered = [m.for_template() for m in messages]
-    _check_chars(state, sum(len(m["content"]) for m in rendered) + len(json.dumps(tools.tools) if tools else ""),
-                 "messages")
+    _check_chars(state, sum(len(m["content"]) for m in rendered) + len(json.dumps(tools.tools) if tools else "")
+                 + len(json.dumps(template_kwargs) if template_kwargs else ""), "messages")
     rendered, tool_list = template_messages(rendered, tools.tools if tools else None, state.llm.chat_template)
     try:
-        text, ids = state.llm.encode_chat(rendered, tools=tool_list)
+        text, ids = state.llm.encode_chat(rendered, tools=tool_list, chat_template_kwargs=template_kwargs)
     except InvalidRequestError as e:
         raise bad_request(str(e), param="messages") from e
     return text, _checked(state, ids, max_tokens, "messages")
+
+
+def check_template_kwargs(template_kwargs: dict | None) -> None:
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or ()))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}: the server sets it",
+                          param="chat_template_kwargs")
 
 
 def _check_chars(state: ServerState, chars: int, param: str) -> None:
