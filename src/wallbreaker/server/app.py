@@ -24,6 +24,7 @@ from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
 from .static import add_chat_page
 from .state import ServerState
+from .infill import InfillRequest, create_infill
 from .tokenize import detokenize, tokenize
 
 
@@ -88,6 +89,10 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     @app.post("/detokenize", dependencies=v1, openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(request, state)
+
+    @app.post("/infill", dependencies=v1, openapi_extra=_json_body(InfillRequest))
+    async def infill(request: Request) -> Response:
+        return await create_infill(await parse_body(request, InfillRequest), request, state)
 
     add_chat_page(app)  # GET / and /static/*: the chat page, never behind the key (it holds no secret)
     return app

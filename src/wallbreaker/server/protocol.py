@@ -86,7 +86,25 @@ class StructuredOutputsBody(_Closed):
     disable_any_whitespace: bool | None = False
 
 
-class _SamplingFields(_Body):
+class LlamaCppSamplerFields(_Body):
+    """llama.cpp's samplers, by its names (vLLM has none of them); `mirostat_mode` is also accepted.
+    Read by `request_params.llama_cpp_sampler_fields`."""
+
+    typical_p: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    mirostat: int | None = None
+    mirostat_mode: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+
+
+class _SamplingFields(LlamaCppSamplerFields):
     """The fields shared by completions and chat, OpenAI's and vLLM's extras."""
 
     model: str | None = None
@@ -118,19 +136,6 @@ class _SamplingFields(_Body):
     guided_grammar: str | None = None
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
-    # llama.cpp's samplers, by its names (vLLM has none of them); `mirostat_mode` is also accepted
-    typical_p: float | None = None
-    xtc_probability: float | None = None
-    xtc_threshold: float | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[str] | None = None
-    mirostat: int | None = None
-    mirostat_mode: int | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -1,7 +1,7 @@
 """OpenAI request fields -> `SamplingParams`, with OpenAI's defaults for fields left out or null.
 
-A field we do not know is a 400 that names it, and so is one we know but cannot honour (`suffix`,
-`echo`, `best_of` > n): never a silent drop. The constraints (`response_format`, vLLM's
+A field we do not know is a 400 that names it, and so is one we know but cannot honour (`echo`,
+`best_of` > n): never a silent drop. The constraints (`response_format`, vLLM's
 `structured_outputs` and its older `guided_*` names, and a forced `tool_choice`) become one
 `StructuredOutputsParams`; two at once are a 400.
 """
@@ -12,7 +12,8 @@ import dataclasses
 from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .errors import APIError, bad_request
-from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields, unsupported_fields
+from .protocol import (ChatCompletionRequest, CompletionRequest, LlamaCppSamplerFields, _SamplingFields,
+                       unsupported_fields)
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -64,7 +65,7 @@ def _spec(param: str, **fields) -> StructuredOutputsParams:
         raise bad_request(str(e).replace("structured_outputs", param, 1), param=param) from e
 
 
-def llama_cpp_sampler_fields(body: _SamplingFields) -> dict:
+def llama_cpp_sampler_fields(body: LlamaCppSamplerFields) -> dict:
     """llama.cpp's sampler fields the body sets, as `SamplingParams` keywords (its defaults for the others)."""
     if body.mirostat is not None and body.mirostat_mode is not None and body.mirostat != body.mirostat_mode:
         raise bad_request("mirostat and mirostat_mode disagree; give one", param="mirostat_mode")
@@ -100,8 +101,6 @@ def completion_params(body: CompletionRequest) -> tuple[SamplingParams, str | No
     check_fields(body)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
-    if body.suffix:
-        raise bad_request("suffix is not supported (no fill-in-the-middle)", param="suffix")
     if body.best_of is not None and body.best_of > _or(body.n, 1):
         raise bad_request(f"best_of {body.best_of} > n is not supported: every sequence generated is returned",
                           param="best_of")
