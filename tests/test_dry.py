@@ -108,3 +108,20 @@ def test_dry_cuts_verbatim_repetition_on_a_looping_prompt(packaged_model):
     after = repeated_fraction(with_dry.outputs[0].token_ids)
     assert before > 0.8, plain.outputs[0].text  # the loop is real
     assert after < before / 2, with_dry.outputs[0].text
+
+
+def test_greedy_with_dry_is_the_same_with_and_without_speculation(tiny_llama):
+    """Verification sees each draft position's DRY penalty over the drafts before it."""
+    from wallbreaker import LLM
+    path = str(tiny_llama.gguf_path)
+    prompt = {"prompt_token_ids": [11, 12, 13, 14] * 6}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, dry_multiplier=3.0,
+                            dry_allowed_length=1, dry_base=1.2, dry_sequence_breakers=[])
+    plain = LLM(path, dtype="float32", kv_cache_memory_gb=0.05)
+    with_dry = plain.generate([prompt], params)[0].outputs[0].token_ids
+    without = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert with_dry != without.outputs[0].token_ids  # the penalty changes this answer
+    spec = LLM(path, dtype="float32", kv_cache_memory_gb=0.05, speculative_method="ngram",
+               num_speculative_tokens=3, speculative_adaptive=False)
+    assert spec.generate([prompt], params)[0].outputs[0].token_ids == with_dry
+    assert spec.stats()["spec_proposed"] > 0

@@ -138,15 +138,15 @@ class SamplingParams:
     # of probability >= xtc_threshold but the least likely of them (0 = off); DRY subtracts
     # dry_multiplier * dry_base ** (n - dry_allowed_length) from a token that would extend a
     # repetition of n >= dry_allowed_length tokens found in the last dry_penalty_last_n tokens
-    # (-1 = the whole context), repetitions not crossing a sequence breaker; mirostat 2.0 keeps the
-    # surprise near mirostat_tau (mirostat_mode 2; 0 = off).
+    # (-1: the whole context, as older llama.cpp), repetitions not crossing a sequence breaker;
+    # mirostat 2.0 keeps the surprise near mirostat_tau (mirostat_mode 2; 0 = off).
     typical_p: float = 1.0
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
+    dry_penalty_last_n: int = 64
     dry_sequence_breakers: list[str] | None = None  # None: llama.cpp's ["\n", ":", "\"", "*"]
     mirostat_mode: int = 0
     mirostat_tau: float = 5.0

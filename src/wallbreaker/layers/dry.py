@@ -23,7 +23,7 @@ FLOAT_MAX_LOG = 88.7228391  # log(float32 max): base ** exponent is clamped belo
 def dry_penalties(context: Sequence[int], params: SamplingParams, breakers: frozenset[int]) -> dict[int, float]:
     """{token id: the amount to subtract from its logit}, for the context (prompt + output tokens)."""
     last_n = params.dry_penalty_last_n
-    tokens = list(context if last_n == -1 else context[len(context) - last_n:] if last_n else [])
+    tokens = list(context if last_n == -1 else context[max(0, len(context) - last_n):])
     n = len(tokens)
     allowed = params.dry_allowed_length
     if params.dry_multiplier == 0 or n <= allowed:
