@@ -133,3 +133,10 @@ def test_enable_thinking_false_reaches_the_template(think_client):
 def test_bad_chat_template_kwargs_are_a_400(think_client, kwargs, status):
     r = think_client.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template_kwargs": kwargs})
     assert_openai_error(r, status)
+
+
+def test_chat_template_kwargs_reach_the_template_from_python(think_client):
+    llm = think_client.app.state.server.llm  # LLM.chat renders through encode_chat
+    thinking, _ = llm.encode_chat(MESSAGES)
+    plain, _ = llm.encode_chat(MESSAGES, chat_template_kwargs={"enable_thinking": False})
+    assert thinking.endswith("<think>\n") and plain.endswith("<think>\n\n</think>\n\n")

@@ -212,9 +212,12 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`chat_template_kwargs`: variables for the template, e.g. {"enable_thinking": False} (vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([(*self.encode_chat(c, tools), None) for c in conversations], sampling_params, use_tqdm)
+        return self._run([(*self.encode_chat(c, tools, chat_template_kwargs=chat_template_kwargs), None)
+                          for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, encoded: list[tuple[str | None, list[int], str | None]], sampling_params,
              use_tqdm: bool) -> list[RequestOutput]:
