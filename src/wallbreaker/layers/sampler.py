@@ -259,9 +259,14 @@ def _next_mirostat_mu(probs: Tensor, drawn: Tensor, params: list[SamplingParams]
     for j in using:
         i = rows[j]
         p = params[i]
-        mu = mirostat_mu[i] if mirostat_mu is not None and mirostat_mu[i] is not None else 2 * p.mirostat_tau
-        out[i] = mirostat_update(mu, chosen[j], p.mirostat_tau, p.mirostat_eta)
+        out[i] = mirostat_update(_mu(p, mirostat_mu, i), chosen[j], p.mirostat_tau, p.mirostat_eta)
     return out
+
+
+def _mu(p: SamplingParams, mirostat_mu: list[float | None] | None, row: int) -> float:
+    """Row's mirostat state; before its first draw, mirostat's starting value 2 * tau."""
+    mu = mirostat_mu[row] if mirostat_mu is not None else None
+    return 2 * p.mirostat_tau if mu is None else mu
 
 
 def _split(params: list[SamplingParams]) -> tuple[list[int], list[int]]:
@@ -331,9 +336,8 @@ def _filtered_probs(logits: Tensor, params: list[SamplingParams],
         probs = _put_rows(probs, xtc_rows, xtc_mixture(_take_rows(probs, xtc_rows), chance, threshold))
     mirostat_rows = [i for i, p in enumerate(params) if p.uses_mirostat]
     if mirostat_rows:
-        mu = [mirostat_mu[i] if mirostat_mu is not None and mirostat_mu[i] is not None
-              else 2 * params[i].mirostat_tau for i in mirostat_rows]
-        mu_t = torch.tensor(mu, dtype=torch.float32, device=device)
+        mu_t = torch.tensor([_mu(params[i], mirostat_mu, i) for i in mirostat_rows], dtype=torch.float32,
+                            device=device)
         probs = _put_rows(probs, mirostat_rows, mirostat_truncate(_take_rows(probs, mirostat_rows), mu_t))
     return probs
 
