@@ -8,6 +8,7 @@ import torch
 from server_apps import app_client, assert_openai_error, make_app
 
 from wallbreaker.formats.fim import ExtraFile, FimTokens
+from wallbreaker.server.app import build_app
 
 # three ordinary tokens of the tiny vocabulary stand for FIM prefix, suffix and middle
 PRE, SUF, MID = 5, 6, 7
@@ -148,7 +149,7 @@ def test_qwen_coder_fills_in_a_function_body_as_transformers_does(packaged_model
     assert fim.prompt(llm.tokenizer, FIM_PREFIX, FIM_SUFFIX, repo_level=True,
                       extra=[ExtraFile("import math\n", "util.py")]) == ref_tok(extra_text)["input_ids"]
 
-    with app_client(__import__("wallbreaker.server.app", fromlist=["build_app"]).build_app(llm)) as client:
+    with app_client(build_app(llm)) as client:
         r = client.post("/v1/completions", json={"prompt": FIM_PREFIX, "suffix": FIM_SUFFIX, "temperature": 0,
                                                  "max_tokens": FIM_TOKENS})
         assert r.status_code == 200, r.text
