@@ -225,9 +225,12 @@ class LLM:
         raise InvalidRequestError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """The conversation through the chat template (which receives `tools`, OpenAI's shape), tokenized."""
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+                    add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """The conversation through the chat template (which receives `tools`, OpenAI's shape, and the
+        `chat_template_kwargs` as variables, e.g. `enable_thinking`), tokenized."""
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **(chat_template_kwargs or {}))
         bos = self.tokenizer.bos_token
         add_special = not (bos and text.startswith(bos))
         return text, self.tokenizer.encode(text, add_special_tokens=add_special)
@@ -241,9 +244,12 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`chat_template_kwargs`: variables for the template, e.g. {"enable_thinking": False} (vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([(*self.encode_chat(c, tools), None) for c in conversations], sampling_params, use_tqdm)
+        return self._run([(*self.encode_chat(c, tools, chat_template_kwargs=chat_template_kwargs), None)
+                          for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, encoded: list[tuple[str | None, list[int], str | None]], sampling_params,
              use_tqdm: bool) -> list[RequestOutput]:

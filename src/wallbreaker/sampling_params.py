@@ -21,6 +21,10 @@ MAX_LOGIT_BIAS = 100.0
 # bad_words are matched against every sequence's last tokens at every step: bounded like stop strings.
 MAX_BAD_WORDS = 256
 MAX_BAD_WORD_CHARS = 128
+# DRY's sequence breakers, as llama.cpp bounds and defaults them.
+MAX_DRY_BREAKERS = 64
+MAX_DRY_BREAKER_CHARS = 40
+DEFAULT_DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 
 def _is_int(x: object) -> bool:
@@ -129,17 +133,36 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # llama.cpp's samplers, with its names and defaults (layers/dry.py, layers/truncation.py):
+    # locally typical sampling (1 = off); XTC removes, with probability xtc_probability, every token
+    # of probability >= xtc_threshold but the least likely of them (0 = off); DRY subtracts
+    # dry_multiplier * dry_base ** (n - dry_allowed_length) from a token that would extend a
+    # repetition of n >= dry_allowed_length tokens found in the last dry_penalty_last_n tokens
+    # (-1: the whole context, as older llama.cpp), repetitions not crossing a sequence breaker;
+    # mirostat 2.0 keeps the surprise near mirostat_tau (mirostat_mode 2; 0 = off).
+    typical_p: float = 1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: list[str] | None = None  # None: llama.cpp's ["\n", ":", "\"", "*"]
+    mirostat_mode: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
+                     "presence_penalty", "frequency_penalty", "typical_p", "xtc_probability", "xtc_threshold",
+                     "dry_multiplier", "dry_base", "mirostat_tau", "mirostat_eta"):
             value = getattr(self, name)
             if not _is_number(value):
                 _fail(f"{name} must be a number, got {type(value).__name__}")
             if not math.isfinite(value):
                 _fail(f"{name} must be finite, got {value}")
             setattr(self, name, float(value))
-        for name in ("n", "top_k"):
+        for name in ("n", "top_k", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode"):
             _check_int(name, getattr(self, name))
         for name in ("max_tokens", "seed", "logprobs"):
             if getattr(self, name) is not None:
@@ -188,6 +211,39 @@ class SamplingParams:
                 if not _is_int(t) or t < 0:
                     _fail(f"allowed_token_ids must be non-negative ints, got {t!r}")
         self.bad_words = _normalize_bad_words(self.bad_words)
+        self._check_llama_cpp_samplers()
+
+    def _check_llama_cpp_samplers(self) -> None:
+        if not 0 < self.typical_p <= 1:
+            _fail(f"typical_p must be in (0, 1], got {self.typical_p}")
+        for name in ("xtc_probability", "xtc_threshold"):
+            if not 0 <= getattr(self, name) <= 1:
+                _fail(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.dry_multiplier < 0:
+            _fail(f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
+        if self.dry_base < 1:
+            _fail(f"dry_base must be >= 1, got {self.dry_base}")
+        if self.dry_allowed_length < 0:
+            _fail(f"dry_allowed_length must be >= 0, got {self.dry_allowed_length}")
+        if self.dry_penalty_last_n < -1:
+            _fail(f"dry_penalty_last_n must be >= 0, or -1 for the whole context, got {self.dry_penalty_last_n}")
+        self.dry_sequence_breakers = list(DEFAULT_DRY_BREAKERS) if self.dry_sequence_breakers is None else \
+            _strings(self.dry_sequence_breakers, "dry_sequence_breakers", MAX_DRY_BREAKERS, MAX_DRY_BREAKER_CHARS)
+        if self.mirostat_mode not in (0, 2):
+            _fail(f"mirostat_mode must be 0 (off) or 2 (mirostat 2.0; version 1 is not supported), "
+                  f"got {self.mirostat_mode}")
+        if self.mirostat_tau <= 0:
+            _fail(f"mirostat_tau must be > 0, got {self.mirostat_tau}")
+        if self.mirostat_eta < 0:
+            _fail(f"mirostat_eta must be >= 0, got {self.mirostat_eta}")
+
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
+    @property
+    def uses_mirostat(self) -> bool:
+        return self.mirostat_mode == 2 and not self.is_greedy
 
     @property
     def is_greedy(self) -> bool:

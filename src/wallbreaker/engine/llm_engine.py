@@ -13,6 +13,7 @@ import torch
 from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..kv.sessions import SessionInfo, SessionStore
+from ..layers.dry import DryBreakers
 from ..layers.sampler import sample, top_logprobs
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .client import EngineRequest, StepResult
@@ -49,6 +50,7 @@ class Request:
     cache_salt: str | None = None
     grammar: Grammar | None = None  # the compiled `params.structured_outputs`
     bad_words_ids: list[list[int]] = field(default_factory=list)
+    dry_breaker_ids: frozenset[int] = frozenset()
     seqs: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     failure: StepFailure | None = None
@@ -82,6 +84,7 @@ class LLMEngine:
         self.sessions = sessions  # saved sessions (kv/sessions.py); None: not available (tensor parallelism)
         self.vocab_limit = runner.vocab_limit
         self.structured = structured or StructuredOutputs(tokenizer, eos_token_ids)
+        self.dry_breakers = DryBreakers(tokenizer)
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -116,7 +119,8 @@ class LLMEngine:
             grammar = self.structured.compile(spec)
         prompt_ids = list(request.prompt_token_ids)
         state = Request(request_id, request.prompt, prompt_ids, params, salt, grammar if spec is not None else None,
-                        self.structured.bad_words_ids(params.bad_words))
+                        self.structured.bad_words_ids(params.bad_words),
+                        self.dry_breakers.ids(params.dry_sequence_breakers) if params.uses_dry else frozenset())
         seq = self._new_sequence(state, 0, list(prompt_ids),
                                  state.grammar.matcher() if state.grammar is not None else None, params.n - 1)
         self._requests[request_id] = state
@@ -166,7 +170,7 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request.request_id, index, token_ids, len(request.prompt_token_ids),
                        params, detok, generator, stop_token_ids=stops, cache_salt=request.cache_salt,
                        arrival_time=request.arrival_time, pending_fork=pending_fork, grammar=grammar,
-                       bad_words_ids=request.bad_words_ids)
+                       bad_words_ids=request.bad_words_ids, dry_breaker_ids=request.dry_breaker_ids)
         request.seqs.append(seq)
         return seq
 
@@ -293,7 +297,8 @@ class LLMEngine:
         seqs = [s for s, _ in rows]
         index = torch.tensor([r for _, r in rows])
         out = sample(logits[index], [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
-                     [s.output_token_ids for s in seqs], [s.generator for s in seqs], self.structured.step_mask(seqs))
+                     [s.output_token_ids for s in seqs], [s.generator for s in seqs], self.structured.step_mask(seqs),
+                     [s.dry_breaker_ids for s in seqs], [s.mirostat_mu for s in seqs])
         tokens = out.token_ids.tolist()
         chosen_logprobs = out.logprobs.tolist()
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
@@ -303,7 +308,8 @@ class LLMEngine:
                 self._fail_request(seq.request_id, self._no_token_allowed(seq), output)
                 continue
             top = out.top_logprobs[i] if out.top_logprobs is not None else []
-            output.appends.append(Append(seq, [token], [chosen_logprobs[i]], [top]))
+            mu = out.mirostat_mu[i] if out.mirostat_mu is not None else None
+            output.appends.append(Append(seq, [token], [chosen_logprobs[i]], [top], mu))
 
     @staticmethod
     def _no_token_allowed(seq: Sequence) -> Exception:

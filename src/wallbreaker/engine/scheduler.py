@@ -53,6 +53,7 @@ class Append:
     tokens: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+    mirostat_mu: float | None = None  # the sampler's state after this draw, where it keeps one
 
 
 @dataclass
@@ -182,6 +183,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             num_draft, computed = seq.num_draft, seq.num_computed_tokens
+            if a.mirostat_mu is not None:
+                seq.mirostat_mu = a.mirostat_mu
             delta = seq.append(a.tokens, a.logprobs, a.top_logprobs, self.max_model_len)
             deltas.append(delta)
             if num_draft:

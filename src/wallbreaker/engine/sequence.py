@@ -69,6 +69,8 @@ class Sequence:
     acceptance: float = INITIAL_ACCEPTANCE  # moving average of the fraction of drafts accepted
     grammar: "GrammarMatcher | None" = None  # where the output is in its grammar (structured output)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token ids that must not be completed
+    dry_breaker_ids: frozenset[int] = frozenset()  # DRY's sequence breakers, as token ids
+    mirostat_mu: float | None = None  # mirostat's state (None: not drawn yet, or no mirostat)
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,7 @@ class Tokenizer:
         byte_level: bool,
         vocab_size: int | None = None,
         post_processor_ids: Iterable[int] = (),
+        fim_token_ids: Mapping[str, int] | None = None,
     ) -> None:
         self._backend = backend
         self._byte_level = byte_level
@@ -136,6 +137,8 @@ class Tokenizer:
         self.vocab_size: int = vocab_size
         # Ids the Hugging Face post-processor would add (TemplateProcessing's special tokens...).
         self.post_processor_ids: frozenset[int] = frozenset(post_processor_ids)
+        # fill-in-the-middle tokens a GGUF names ("pre", "suf", "mid", "rep", "sep"; formats/fim.py)
+        self.fim_token_ids: dict[str, int] = dict(fim_token_ids or {})
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos = add_bos and bos_token_id is not None
@@ -274,6 +277,7 @@ class Tokenizer:
             stop_token_ids=end_of_generation_ids(control, explicit),
             byte_level=model == "gpt2",
             vocab_size=len(tokens),
+            fim_token_ids=_fim_token_ids(token_id),
         )
 
     @classmethod
@@ -324,6 +328,19 @@ class Tokenizer:
             byte_level='"ByteLevel"' in json.dumps(decoder),
             post_processor_ids=_post_processor_ids(state.get("post_processor")),
         )
+
+
+def _fim_token_ids(token_id: Callable[[str], int | None]) -> dict[str, int]:
+    """The FIM token ids under GGUF's keys (the current ones, then CodeLlama's older names)."""
+    keys = {"pre": ("fim_pre_token_id", "prefix_token_id"), "suf": ("fim_suf_token_id", "suffix_token_id"),
+            "mid": ("fim_mid_token_id", "middle_token_id"), "rep": ("fim_rep_token_id",),
+            "sep": ("fim_sep_token_id",)}
+    found = {}
+    for kind, names in keys.items():
+        ids = [i for name in names if (i := token_id(name)) is not None]
+        if ids:
+            found[kind] = ids[0]
+    return found
 
 
 def check_token_ids(tokenizer: Tokenizer, rows: int, source: str, embedding: str) -> None:

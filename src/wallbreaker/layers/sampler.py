@@ -17,6 +17,9 @@ from torch import Tensor
 
 from wallbreaker.sampling_params import SamplingParams
 
+from .dry import dry_penalties
+from .truncation import mirostat_truncate, mirostat_update, typical_drop, xtc_mixture
+
 # top-p first looks for its nucleus among this many most likely tokens (see `_top_p_drop`).
 TOP_P_CANDIDATES = 1024
 
@@ -36,6 +39,7 @@ class SamplerOutput:
     token_ids: Tensor  # [B] long; -1 where the constraints left no token allowed
     logprobs: Tensor  # [B] float32, raw log-softmax at the chosen token (0.0 where params.logprobs is None)
     top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; None when nobody asked
+    mirostat_mu: list[float | None] | None = None  # per row, mirostat's state after this draw (None: no mirostat)
 
 
 def apply_penalties(
@@ -43,6 +47,7 @@ def apply_penalties(
     params: list[SamplingParams],
     prompt_ids: list[Sequence[int]],
     output_ids: list[Sequence[int]],
+    dry_breakers: list[frozenset[int]] | None = None,
 ) -> Tensor:
     """Return penalized logits [B, V] (a new tensor), with vLLM semantics.
 
@@ -50,6 +55,7 @@ def apply_penalties(
     negative ones multiplied. Then, over output tokens only,
     logit -= presence * [count > 0] + frequency * count.
     Works on flat indices (row * V + token) so that it touches only the penalized entries.
+    Then DRY (layers/dry.py) over prompt + output tokens, with each row's sequence-breaker token ids.
     """
     out = logits.float().clone()  # [B, V]
     B, V = out.shape
@@ -72,6 +78,15 @@ def apply_penalties(
         frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
         row = idx // V
         flat[idx] -= presence[row] + frequency[row] * counts.float()
+
+    for i, p in enumerate(params):
+        if p.uses_dry:
+            breakers = dry_breakers[i] if dry_breakers is not None else frozenset()
+            penalties = dry_penalties(list(prompt_ids[i]) + list(output_ids[i]), p, breakers)
+            penalties = {t: v for t, v in penalties.items() if t < V}
+            if penalties:
+                ids = torch.tensor(list(penalties), dtype=torch.long, device=device)
+                out[i, ids] -= torch.tensor(list(penalties.values()), dtype=torch.float32, device=device)
     return out
 
 
@@ -137,18 +152,21 @@ def processed_probs(
     prompt_ids: list[Sequence[int]],
     output_ids: list[Sequence[int]],
     mask: TokenMask | None = None,
+    dry_breakers: list[frozenset[int]] | None = None,
+    mirostat_mu: list[float | None] | None = None,
 ) -> Tensor:
     """The distribution [B, V] float32 that `sample` draws from; greedy rows are one-hot at the argmax.
     A row whose constraints allow no token is all zeros."""
     constrained = apply_constraints(logits, params, mask)
-    penalized = apply_penalties(constrained, params, prompt_ids, output_ids)  # [B, V]
+    penalized = apply_penalties(constrained, params, prompt_ids, output_ids, dry_breakers)  # [B, V]
     probs = torch.zeros_like(penalized)
     greedy, rand = _split(params)
     if greedy:
         rows = torch.tensor(greedy, device=probs.device)
         probs[rows, penalized[rows].argmax(dim=-1)] = 1.0
     if rand:
-        probs = _put_rows(probs, rand, _filtered_probs(_take_rows(penalized, rand), [params[i] for i in rand]))
+        probs = _put_rows(probs, rand, _filtered_probs(_take_rows(penalized, rand), [params[i] for i in rand],
+                                                       _rows_of(mirostat_mu, rand)))
     if constrained is not logits:
         probs[penalized.amax(dim=-1) == float("-inf")] = 0.0
     return probs
@@ -161,19 +179,26 @@ def sample(
     output_ids: list[Sequence[int]],
     generators: list[torch.Generator | None],
     mask: TokenMask | None = None,
+    dry_breakers: list[frozenset[int]] | None = None,
+    mirostat_mu: list[float | None] | None = None,
 ) -> SamplerOutput:
     """Draw one token per row. Greedy rows take the argmax and never touch any generator. A row whose
-    constraints (`mask`, allowed_token_ids) allow no token gets -1."""
+    constraints (`mask`, allowed_token_ids) allow no token gets -1. `dry_breakers`: each row's DRY
+    sequence-breaker token ids; `mirostat_mu`: each row's mirostat state (None: its starting value,
+    2 * tau), whose next value comes back in the output."""
     logits = logits.float()
     constrained = apply_constraints(logits, params, mask)
-    penalized = apply_penalties(constrained, params, prompt_ids, output_ids)  # [B, V]
+    penalized = apply_penalties(constrained, params, prompt_ids, output_ids, dry_breakers)  # [B, V]
     token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy, rand = _split(params)
     if greedy:
         token_ids = _put_rows(token_ids, greedy, _take_rows(penalized, greedy).argmax(dim=-1))
+    new_mu = None
     if rand:
-        probs = _filtered_probs(_take_rows(penalized, rand), [params[i] for i in rand])
-        token_ids = _put_rows(token_ids, rand, sample_from_probs(probs, [generators[i] for i in rand]))
+        probs = _filtered_probs(_take_rows(penalized, rand), [params[i] for i in rand], _rows_of(mirostat_mu, rand))
+        drawn = sample_from_probs(probs, [generators[i] for i in rand])
+        token_ids = _put_rows(token_ids, rand, drawn)
+        new_mu = _next_mirostat_mu(probs, drawn, params, rand, mirostat_mu)
     if constrained is not logits:
         token_ids[penalized.amax(dim=-1) == float("-inf")] = -1
 
@@ -191,7 +216,7 @@ def sample(
             top = [[] for _ in params]
             for i, entry in zip(wanted, picked):
                 top[i] = entry
-    return SamplerOutput(token_ids, chosen, top)
+    return SamplerOutput(token_ids, chosen, top, new_mu)
 
 
 def sample_from_probs(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
@@ -219,6 +244,31 @@ def sample_from_probs(probs: Tensor, generators: list[torch.Generator | None]) -
     return (probs.float() / noise).argmax(dim=-1)
 
 
+def _rows_of(values: list | None, rows: list[int]) -> list | None:
+    return None if values is None else [values[i] for i in rows]
+
+
+def _next_mirostat_mu(probs: Tensor, drawn: Tensor, params: list[SamplingParams], rows: list[int],
+                      mirostat_mu: list[float | None] | None) -> list[float | None] | None:
+    """Each row's mirostat state after its draw from probs [b, V] (the rows `rows` of the batch)."""
+    using = [j for j, i in enumerate(rows) if params[i].uses_mirostat]
+    if not using:
+        return None
+    out: list[float | None] = [None] * len(params)
+    chosen = probs.gather(1, drawn[:, None]).squeeze(1).tolist()
+    for j in using:
+        i = rows[j]
+        p = params[i]
+        out[i] = mirostat_update(_mu(p, mirostat_mu, i), chosen[j], p.mirostat_tau, p.mirostat_eta)
+    return out
+
+
+def _mu(p: SamplingParams, mirostat_mu: list[float | None] | None, row: int) -> float:
+    """Row's mirostat state; before its first draw, mirostat's starting value 2 * tau."""
+    mu = mirostat_mu[row] if mirostat_mu is not None else None
+    return 2 * p.mirostat_tau if mu is None else mu
+
+
 def _split(params: list[SamplingParams]) -> tuple[list[int], list[int]]:
     """Row indices of the greedy and of the random rows."""
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -239,8 +289,10 @@ def _put_rows(t: Tensor, rows: list[int], values: Tensor) -> Tensor:
     return t
 
 
-def _filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
-    """Temperature, top-k, top-p, min-p on penalized logits [b, V] of non-greedy rows -> probs [b, V].
+def _filtered_probs(logits: Tensor, params: list[SamplingParams],
+                    mirostat_mu: list[float | None] | None = None) -> Tensor:
+    """Temperature, top-k, typical-p, top-p, min-p, XTC, mirostat on penalized logits [b, V] of
+    non-greedy rows -> probs [b, V] (layers/truncation.py has the last three).
 
     top-k keeps every token >= the k-th largest value (ties at the boundary are all kept);
     top-p keeps the smallest prefix of the probabilities sorted descending, ties by lower
@@ -259,6 +311,12 @@ def _filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
 
     probs = scaled.softmax(dim=-1)  # [b, V]
+    typical_rows = [i for i, p in enumerate(params) if p.typical_p < 1.0]
+    if typical_rows:
+        typical_p = torch.tensor([params[i].typical_p for i in typical_rows], dtype=torch.float32, device=device)
+        typical = _take_rows(probs, typical_rows)
+        typical = typical.masked_fill(typical_drop(typical, typical_p), 0.0)
+        probs = _put_rows(probs, typical_rows, typical / typical.sum(dim=-1, keepdim=True))
     nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus_rows:
         top_p = torch.tensor([params[i].top_p for i in nucleus_rows], dtype=torch.float32, device=device)
@@ -269,7 +327,19 @@ def _filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     # Always renormalized, so a row's probs do not depend on what other rows asked for.
-    return probs / probs.sum(dim=-1, keepdim=True)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+
+    xtc_rows = [i for i, p in enumerate(params) if p.xtc_probability > 0 and p.xtc_threshold <= 0.5]
+    if xtc_rows:
+        chance = torch.tensor([params[i].xtc_probability for i in xtc_rows], dtype=torch.float32, device=device)
+        threshold = torch.tensor([params[i].xtc_threshold for i in xtc_rows], dtype=torch.float32, device=device)
+        probs = _put_rows(probs, xtc_rows, xtc_mixture(_take_rows(probs, xtc_rows), chance, threshold))
+    mirostat_rows = [i for i, p in enumerate(params) if p.uses_mirostat]
+    if mirostat_rows:
+        mu_t = torch.tensor([_mu(params[i], mirostat_mu, i) for i in mirostat_rows], dtype=torch.float32,
+                            device=device)
+        probs = _put_rows(probs, mirostat_rows, mirostat_truncate(_take_rows(probs, mirostat_rows), mu_t))
+    return probs
 
 
 def _top_p_drop(probs: Tensor, top_p: Tensor, candidates: int | None = None) -> Tensor:

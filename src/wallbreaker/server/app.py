@@ -25,6 +25,7 @@ from .serving_completion import create_completion
 from .sessions import add_session_routes
 from .static import add_chat_page
 from .state import ServerState
+from .infill import InfillRequest, create_infill
 from .tokenize import detokenize, tokenize
 
 
@@ -91,6 +92,11 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
         return await detokenize(request, state)
 
     add_session_routes(app, state, v1)  # POST /sessions/{name}/save|restore, DELETE /sessions/{name}
+
+    @app.post("/infill", dependencies=v1, openapi_extra=_json_body(InfillRequest))
+    async def infill(request: Request) -> Response:
+        return await create_infill(await parse_body(request, InfillRequest), request, state)
+
     add_chat_page(app)  # GET / and /static/*: the chat page, never behind the key (it holds no secret)
     return app
 

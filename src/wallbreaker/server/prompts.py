@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import json
 
 from ..errors import InvalidRequestError
+from ..formats.fim import ExtraFile, FimTokens
 from ..llm import as_prompt_list
 from .errors import bad_request
 from .protocol import ChatMessage
@@ -35,20 +36,70 @@ def completion_prompts(state: ServerState, prompt: str | list, max_tokens: int |
     return encoded
 
 
+# Variables the template gets from the server itself: a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                         "bos_token", "eos_token"})
+
+
+def fim_prompts(state: ServerState, prompt: str | list, suffix: str, max_tokens: int | None) -> list[Encoded]:
+    """Completions' prompts as the prefixes of fill-in-the-middle prompts (formats/fim.py) before
+    `suffix`; a 400 naming `suffix` for a model without FIM tokens."""
+    fim = fim_tokens(state, "suffix")
+    prompts = as_prompt_list(prompt)
+    if not prompts:
+        raise bad_request("the prompt is empty", param="prompt")
+    _check_chars(state, len(suffix), "suffix")
+    encoded = []
+    for p in prompts:
+        if isinstance(p, str):
+            _check_chars(state, len(p), "prompt")
+        elif not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
+            raise bad_request("with suffix, a prompt is a string or a list of token ids", param="prompt")
+        ids = fim.prompt(state.llm.tokenizer, p, suffix)
+        encoded.append((p if isinstance(p, str) else None, _checked(state, ids, max_tokens, "prompt")))
+    return encoded
+
+
+def infill_prompt(state: ServerState, prefix: str, suffix: str, extra: list[ExtraFile], prompt: str,
+                  max_tokens: int | None) -> list[int]:
+    """llama.cpp's /infill prompt (the repository-level layout of formats/fim.py)."""
+    fim = fim_tokens(state, "input_prefix")
+    chars = len(prefix) + len(suffix) + len(prompt) + sum(len(f.text) + len(f.filename) for f in extra)
+    _check_chars(state, chars, "input_prefix")
+    ids = fim.prompt(state.llm.tokenizer, prefix, suffix, repo_level=True, extra=extra, prompt=prompt)
+    return _checked(state, ids, max_tokens, "input_prefix")
+
+
+def fim_tokens(state: ServerState, param: str) -> FimTokens:
+    try:
+        return FimTokens.of(state.llm.tokenizer)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param=param) from e
+
+
 def chat_prompt(state: ServerState, messages: list[ChatMessage], max_tokens: int | None,
-                tools: ToolPlan | None = None) -> Encoded:
-    """The conversation through the chat template, with the plan's tools (server/tools.py)."""
+                tools: ToolPlan | None = None, template_kwargs: dict | None = None) -> Encoded:
+    """The conversation through the chat template, with the plan's tools (server/tools.py) and the
+    request's `chat_template_kwargs`."""
+    check_template_kwargs(template_kwargs)
     if not messages:
         raise bad_request("messages is empty", param="messages")
     rendered = [m.for_template() for m in messages]
-    _check_chars(state, sum(len(m["content"]) for m in rendered) + len(json.dumps(tools.tools) if tools else ""),
-                 "messages")
+    _check_chars(state, sum(len(m["content"]) for m in rendered) + len(json.dumps(tools.tools) if tools else "")
+                 + len(json.dumps(template_kwargs) if template_kwargs else ""), "messages")
     rendered, tool_list = template_messages(rendered, tools.tools if tools else None, state.llm.chat_template)
     try:
-        text, ids = state.llm.encode_chat(rendered, tools=tool_list)
+        text, ids = state.llm.encode_chat(rendered, tools=tool_list, chat_template_kwargs=template_kwargs)
     except InvalidRequestError as e:
         raise bad_request(str(e), param="messages") from e
     return text, _checked(state, ids, max_tokens, "messages")
+
+
+def check_template_kwargs(template_kwargs: dict | None) -> None:
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or ()))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}: the server sets it",
+                          param="chat_template_kwargs")
 
 
 def _check_chars(state: ServerState, chars: int, param: str) -> None:

@@ -86,7 +86,25 @@ class StructuredOutputsBody(_Closed):
     disable_any_whitespace: bool | None = False
 
 
-class _SamplingFields(_Body):
+class LlamaCppSamplerFields(_Body):
+    """llama.cpp's samplers, by its names (vLLM has none of them); `mirostat_mode` is also accepted.
+    Read by `request_params.llama_cpp_sampler_fields`."""
+
+    typical_p: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    mirostat: int | None = None
+    mirostat_mode: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+
+
+class _SamplingFields(LlamaCppSamplerFields):
     """The fields shared by completions and chat, OpenAI's and vLLM's extras."""
 
     model: str | None = None
@@ -219,6 +237,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template (enable_thinking)
 
 
 # -- POST /tokenize, POST /detokenize (vLLM's) -------------------------------------------------
@@ -234,6 +253,7 @@ class TokenizeChatRequest(_Body):
     messages: list[ChatMessage]
     add_generation_prompt: bool | None = True
     tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
 

@@ -1,7 +1,7 @@
 """OpenAI request fields -> `SamplingParams`, with OpenAI's defaults for fields left out or null.
 
-A field we do not know is a 400 that names it, and so is one we know but cannot honour (`suffix`,
-`echo`, `best_of` > n): never a silent drop. The constraints (`response_format`, vLLM's
+A field we do not know is a 400 that names it, and so is one we know but cannot honour (`echo`,
+`best_of` > n): never a silent drop. The constraints (`response_format`, vLLM's
 `structured_outputs` and its older `guided_*` names, and a forced `tool_choice`) become one
 `StructuredOutputsParams`; two at once are a 400.
 """
@@ -12,7 +12,8 @@ import dataclasses
 from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .errors import APIError, bad_request
-from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields, unsupported_fields
+from .protocol import (ChatCompletionRequest, CompletionRequest, LlamaCppSamplerFields, _SamplingFields,
+                       unsupported_fields)
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -64,6 +65,20 @@ def _spec(param: str, **fields) -> StructuredOutputsParams:
         raise bad_request(str(e).replace("structured_outputs", param, 1), param=param) from e
 
 
+def llama_cpp_sampler_fields(body: LlamaCppSamplerFields) -> dict:
+    """llama.cpp's sampler fields the body sets, as `SamplingParams` keywords (its defaults for the others)."""
+    if body.mirostat is not None and body.mirostat_mode is not None and body.mirostat != body.mirostat_mode:
+        raise bad_request("mirostat and mirostat_mode disagree; give one", param="mirostat_mode")
+    fields = {name: getattr(body, name) for name in (
+        "typical_p", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
+        "dry_penalty_last_n", "dry_sequence_breakers", "mirostat_tau", "mirostat_eta")
+        if getattr(body, name) is not None}
+    mode = _or(body.mirostat_mode, body.mirostat)
+    if mode is not None:
+        fields["mirostat_mode"] = mode
+    return fields
+
+
 def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
                      spec: StructuredOutputsParams | None) -> SamplingParams:
     try:
@@ -75,7 +90,7 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: in
             presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
             ignore_eos=bool(body.ignore_eos), include_stop_str_in_output=bool(body.include_stop_str_in_output),
             structured_outputs=spec, logit_bias=body.logit_bias or None, allowed_token_ids=body.allowed_token_ids,
-            bad_words=body.bad_words)
+            bad_words=body.bad_words, **llama_cpp_sampler_fields(body))
     except InvalidRequestError as e:
         first_word = str(e).split(" ", 1)[0]
         raise bad_request(str(e), param=first_word if first_word in _FIELDS else None) from e
@@ -86,8 +101,6 @@ def completion_params(body: CompletionRequest) -> tuple[SamplingParams, str | No
     check_fields(body)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
-    if body.suffix:
-        raise bad_request("suffix is not supported (no fill-in-the-middle)", param="suffix")
     if body.best_of is not None and body.best_of > _or(body.n, 1):
         raise bad_request(f"best_of {body.best_of} > n is not supported: every sequence generated is returned",
                           param="best_of")

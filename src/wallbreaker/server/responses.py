@@ -110,11 +110,14 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (server/reasoning.py), vLLM's name
 
     @model_serializer
     def _present_fields(self) -> dict:
-        """`tool_calls` only when there are some, as OpenAI sends it."""
+        """`tool_calls` only when there are some, as OpenAI sends it; `reasoning_content` likewise."""
         out: dict = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return out
@@ -164,11 +167,13 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
     @model_serializer
     def _present_fields(self) -> dict:
         """OpenAI's deltas leave absent fields out rather than sending nulls (the last one is `{}`)."""
-        out = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out = {k: v for k, v in (("role", self.role), ("content", self.content),
+                                 ("reasoning_content", self.reasoning_content)) if v is not None}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return out

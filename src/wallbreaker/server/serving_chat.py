@@ -2,7 +2,8 @@
 
 With tools (server/tools.py) the answer's calls come back as `tool_calls`, with finish_reason
 "tool_calls"; streamed, as deltas the official client assembles: a call's first delta carries its
-index, id, type and name, the next ones pieces of its arguments."""
+index, id, type and name, the next ones pieces of its arguments. A reasoning model's thinking
+(server/reasoning.py) comes apart, in `reasoning_content`; tool calls are read from the answer only."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from .async_engine import RequestHandle
 from .logprobs import chat_logprobs
 from .prompts import chat_prompt
 from .protocol import ChatCompletionRequest
+from .reasoning import ReasoningParser, ReasoningStream
 from .request_params import chat_params
 from .responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatStreamChoice,
                         DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCallOut, ToolCallOut, Usage)
@@ -29,19 +31,27 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     access, chat_id, deadline = state.admit(request, body.model, "chatcmpl")
     plan = plan_tools(body, state.llm.chat_template)
     params, source = chat_params(body, plan.spec if plan is not None and plan.forced else None)
-    text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens, plan)
+    text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens, plan,
+                                        body.chat_template_kwargs)
+    reasoning = ReasoningParser.for_template(state.llm.chat_template.source)
     grammar = await state.compile_grammar(params.structured_outputs, source)
     engine_request = EngineRequest(ids, params, text, chat_id, body.cache_salt, grammar)
     access.prompt_tokens = len(ids)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))
     parallel = body.parallel_tool_calls is not False
     if body.stream:
-        chunks = _stream(state, handle, engine_request, body.include_usage, access, deadline, plan, parallel)
+        chunks = _stream(state, handle, engine_request, body.include_usage, access, deadline, plan, parallel,
+                         reasoning, text)
         return event_stream(handle, chunks, state.request_timeout)
     output = (await collect(handle, request, deadline, state.request_timeout))[chat_id]
     choices = []
     for c in output.outputs:
-        message, finish_reason = _message(plan, c.text, c.finish_reason, parallel)
+        answer, thinking = c.text, None
+        if reasoning is not None:
+            split = reasoning.split(c.text, text)
+            answer, thinking = split.content, split.reasoning or None
+        message, finish_reason = _message(plan, answer, c.finish_reason, parallel)
+        message.reasoning_content = thinking
         logprobs = None
         if params.logprobs is not None:
             logprobs = chat_logprobs(state.strings, c.token_ids, c.logprobs or [], c.top_logprobs or [])
@@ -80,8 +90,9 @@ class _ChoiceStream:
     """What one streamed choice sends, by the request's tool plan: content as it comes (no tools),
     a named call's arguments as they come, a required call list or auto calls once complete."""
 
-    def __init__(self, plan: ToolPlan | None, parallel: bool):
+    def __init__(self, plan: ToolPlan | None, parallel: bool, reasoning: ReasoningStream | None = None):
         self.plan = plan
+        self.reasoning = reasoning
         self.parallel = parallel
         self.auto = ToolStream(plan.parser) if plan is not None and plan.choice == "auto" else None
         self.named: Call | None = Call(plan.name, "") if plan is not None and plan.choice == "named" else None
@@ -89,6 +100,19 @@ class _ChoiceStream:
         self.held = ""  # a required list of calls, until it is complete
 
     def piece(self, text: str) -> DeltaMessage | None:
+        if self.reasoning is None:
+            return self._answer(text)
+        split = self.reasoning.feed(text)
+        return _with_reasoning(self._answer(split.content), split.reasoning)
+
+    def flush(self) -> DeltaMessage | None:
+        """What the reasoning split held back (a possible tag), at the end of the output."""
+        if self.reasoning is None:
+            return None
+        split = self.reasoning.finish()
+        return _with_reasoning(self._answer(split.content), split.reasoning)
+
+    def _answer(self, text: str) -> DeltaMessage | None:
         if self.plan is None:
             return DeltaMessage(content=text) if text else None
         if self.named is not None:
@@ -125,9 +149,18 @@ class _ChoiceStream:
         return (DeltaMessage(content=content) if content else None), finish_reason
 
 
+def _with_reasoning(delta: DeltaMessage | None, reasoning: str) -> DeltaMessage | None:
+    if not reasoning:
+        return delta
+    delta = delta or DeltaMessage()
+    delta.reasoning_content = reasoning
+    return delta
+
+
 async def _stream(state: ServerState, handle: RequestHandle, engine_request: EngineRequest, include_usage: bool,
                   access: AccessRecord, deadline: float | None, plan: ToolPlan | None,
-                  parallel: bool) -> AsyncIterator[str]:
+                  parallel: bool, reasoning: ReasoningParser | None = None,
+                  prompt: str | None = None) -> AsyncIterator[str]:
     chat_id, params = engine_request.request_id, engine_request.params
 
     def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
@@ -135,7 +168,8 @@ async def _stream(state: ServerState, handle: RequestHandle, engine_request: Eng
 
     yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(params.n)])
-    streams = {i: _ChoiceStream(plan, parallel) for i in range(params.n)}
+    streams = {i: _ChoiceStream(plan, parallel, reasoning.stream(prompt) if reasoning is not None else None)
+               for i in range(params.n)}
     finished: list[RequestOutput] = []
     async for event in deltas(handle, access, deadline, finished):
         logprobs = None
@@ -146,6 +180,9 @@ async def _stream(state: ServerState, handle: RequestHandle, engine_request: Eng
         if delta is not None or logprobs is not None:
             yield chunk([ChatStreamChoice(index=event.index, delta=delta or DeltaMessage(), logprobs=logprobs)])
         if event.finish_reason is not None:
+            flushed = stream.flush()
+            if flushed is not None:
+                yield chunk([ChatStreamChoice(index=event.index, delta=flushed)])
             last, reason = stream.finish(event.finish_reason)
             if last is not None:
                 yield chunk([ChatStreamChoice(index=event.index, delta=last)])

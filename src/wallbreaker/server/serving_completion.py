@@ -13,7 +13,7 @@ from .access_log import AccessRecord
 from ..engine.client import EngineRequest
 from .async_engine import RequestHandle
 from .logprobs import completion_logprobs
-from .prompts import completion_prompts
+from .prompts import completion_prompts, fim_prompts
 from .protocol import CompletionRequest
 from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from .request_params import completion_params
@@ -24,7 +24,10 @@ from .streaming import collect, deltas, event_stream, sse
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
     access, completion_id, deadline = state.admit(request, body.model, "cmpl")
     params, source = completion_params(body)
-    prompts = await run_in_threadpool(completion_prompts, state, body.prompt, params.max_tokens)
+    if body.suffix is not None:  # fill in the middle, between the prompt and the suffix
+        prompts = await run_in_threadpool(fim_prompts, state, body.prompt, body.suffix, params.max_tokens)
+    else:
+        prompts = await run_in_threadpool(completion_prompts, state, body.prompt, params.max_tokens)
     grammar = await state.compile_grammar(params.structured_outputs, source)
     requests = [EngineRequest(ids, params, text, f"{completion_id}-{i}", body.cache_salt, grammar)
                 for i, (text, ids) in enumerate(prompts)]

@@ -62,9 +62,11 @@ async def deltas(handle: RequestHandle, access: AccessRecord, deadline: float | 
         yield event
 
 
-def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], timeout_s: float | None) -> EventStreamResponse:
+def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], timeout_s: float | None,
+                 done: str = SSE_DONE) -> EventStreamResponse:
     """`chunks` as a whole event stream: a deadline passed or an API error mid-way becomes an error
-    event, [DONE] ends it, and the requests are aborted however it ends."""
+    event, `done` ([DONE]; llama.cpp's own routes send nothing) ends it, and the requests are aborted
+    however it ends."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
@@ -75,7 +77,8 @@ def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], timeout_s: f
             yield sse_error(request_timeout(timeout_s or 0.0))
         except APIError as e:
             yield sse_error(e)
-        yield SSE_DONE
+        if done:
+            yield done
 
     return EventStreamResponse(guarded(), on_close=handle.abort)
 

@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import InvalidRequestError
 from .errors import bad_request, parse_body
+from .prompts import check_template_kwargs
 from .protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from .request_params import check_fields
 from .responses import DetokenizeResponse, TokenizeResponse
@@ -33,8 +34,9 @@ async def tokenize(request: Request, state: ServerState) -> Response:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             messages, tools = template_messages([m.for_template() for m in body.messages], tools,
                                                 state.llm.chat_template)
+            check_template_kwargs(body.chat_template_kwargs)
             _, ids = await run_in_threadpool(state.llm.encode_chat, messages, tools,
-                                             body.add_generation_prompt is not False)
+                                             body.add_generation_prompt is not False, body.chat_template_kwargs)
         else:
             ids = await run_in_threadpool(tokenizer.encode, body.prompt, body.add_special_tokens is not False)
     except InvalidRequestError as e:

@@ -51,6 +51,8 @@ class Speculator:
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.pending_fork or seq.num_output_tokens == 0:
                 continue
+            if seq.params.uses_mirostat:  # its distribution depends on a state each draw changes
+                continue
             room = self.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
@@ -91,7 +93,8 @@ class Speculator:
         k = len(drafts)
         outputs = seq.output_token_ids
         p = processed_probs(logits[:k + 1], [seq.params] * (k + 1), [seq.prompt_token_ids] * (k + 1),
-                            [outputs + drafts[:j] for j in range(k + 1)], _first_rows(mask, k + 1))  # [K + 1, V]
+                            [outputs + drafts[:j] for j in range(k + 1)], _first_rows(mask, k + 1),
+                            [seq.dry_breaker_ids] * (k + 1))  # [K + 1, V]
         if mask is not None:
             alive = p.sum(dim=-1) > 0  # a position whose constraints allow no token ends the check before it
             if not alive[0]:
