@@ -84,6 +84,19 @@ def test_infill_takes_llama_cpp_fields_and_answers_in_its_shape(fim_client):
     assert chunks[-1]["stop"] is True and all(c["stop"] is False for c in chunks[:-1])
 
 
+def test_infill_accepts_llama_vscode_requests(fim_client):
+    """llama.vscode's request as it sends it (its samplers list, time limits, indentation): answered,
+    the reply bounded by n_predict; a sampler name llama.cpp does not know is still a 400."""
+    body = {"input_prefix": "def f(x):\n", "input_suffix": "\n    return y\n", "input_extra": [], "prompt": "    y =",
+            "n_predict": 5, "top_k": 40, "top_p": 0.99, "stream": False, "n_indent": 4,
+            "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+            "t_max_predict_ms": 1000, "response_fields": ["content", "timings/prompt_n"]}
+    r = fim_client.post("/infill", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens_predicted"] <= 5
+    assert_openai_error(fim_client.post("/infill", json={**body, "samplers": ["top_k", "bogus"]}), 400)
+
+
 def test_a_model_without_fim_tokens_is_a_400_naming_the_reason(plain_client):
     r = plain_client.post("/v1/completions", json={"prompt": "def f(", "suffix": ")", "max_tokens": 4})
     error = assert_openai_error(r, 400, "suffix")

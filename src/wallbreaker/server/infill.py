@@ -9,7 +9,7 @@ tokens (a model without them is a 400 naming the reason). The other fields are l
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Request, Response
 from pydantic import BaseModel, Field
@@ -33,6 +33,8 @@ DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_K = 40
 DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.05
+LLAMA_CPP_SAMPLERS = ("dry", "top_k", "typ_p", "top_p", "top_n_sigma", "min_p", "xtc", "temperature", "infill",
+                      "penalties", "mirostat", "mirostat_v2")
 
 
 class InfillChunk(_Closed):
@@ -63,6 +65,12 @@ class InfillRequest(LlamaCppSamplerFields):
     id_slot: int | None = None
     t_max_prompt_ms: int | None = None
     response_fields: list[str] | None = None
+    # Sent by llama.vscode on every request, so accepted, but not applied: the samplers run in
+    # wallbreaker's one order (README), `n_predict` bounds the reply rather than a time limit or an
+    # indentation rule.
+    samplers: list[Literal[*LLAMA_CPP_SAMPLERS]] | None = None
+    t_max_predict_ms: int | None = None
+    n_indent: int | None = None
 
 
 class InfillResponse(BaseModel):
