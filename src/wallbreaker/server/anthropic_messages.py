@@ -33,9 +33,10 @@ from .protocol import ChatCompletionRequest
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
 from .tools import plan_tools
-from .translate import chat_request, reasoning_of, refuse_unknown, translated_stream
+from .translate import chat_request, reasoning_of, refuse_unknown, renamed_params, translated_stream
 
 IGNORED = frozenset({"metadata", "service_tier", "thinking"})
+PARAMS = {"stop": "stop_sequences"}
 
 
 class _Closed(BaseModel):
@@ -332,7 +333,8 @@ router = APIRouter()
 async def create_message(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = to_chat(await parse_body(request, MessagesRequest))
-    run = await start_chat(body, request, state, prefix="msg")
+    with renamed_params(PARAMS):
+        run = await start_chat(body, request, state, prefix="msg")
     if body.stream:
         return translated_stream(run.handle, message_events(run), error_event, state.request_timeout)
     answer, output = await chat_response(run, request)

@@ -19,6 +19,8 @@ from .config import ServerConfig
 from .errors import APIError, install_error_handlers, parse_body
 from .guards import BodyGuard, HostCheck, allowed_hosts_for
 from .metrics import ServerMetrics
+from .ollama_api import add_ollama_api
+from .openai_responses import add_openai_responses
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeCompletionRequest
 from .responses import ModelCard, ModelList
 from .serving_chat import create_chat_completion
@@ -91,6 +93,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
         return await detokenize(request, state)
 
     add_anthropic_messages(app, v1)
+    add_ollama_api(app, v1)
+    add_openai_responses(app, v1)
     add_chat_page(app)  # GET / and /static/*: the chat page, never behind the key (it holds no secret)
     return app
 

@@ -3,7 +3,8 @@ the request the chat or completion handling takes, runs it there, and writes the
 shape. Nothing here generates: these are the seams between a foreign shape and ours."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -36,6 +37,21 @@ def refuse_unknown(body: BaseModel, ignored: frozenset[str] = frozenset()) -> No
     if unknown:
         raise bad_request(f"the field '{unknown[0]}' is not supported by this server; leave it out "
                           f"(unknown fields are refused, not ignored)", param=unknown[0])
+
+
+@contextmanager
+def renamed_params(names: dict[str, str]) -> Iterator[None]:
+    """An error about a chat field (`param`) raised inside names the translated API's field instead:
+    `response_format` is Ollama's `format`, the Responses API's `text.format`."""
+    try:
+        yield
+    except APIError as e:
+        new = names.get(e.info.param or "")
+        if new is not None:
+            old = e.info.param
+            e.info.param = new
+            e.info.message = e.info.message.replace(old, new, 1)
+        raise
 
 
 def reasoning_of(message: Any) -> str | None:
