@@ -5,8 +5,10 @@
   (an assistant's `thinking` blocks are accepted and dropped, as chat templates drop earlier
   reasoning); `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`; `tools` with
   `input_schema` and `tool_choice` auto / any / tool / none, through the chat's tool calling (any
-  and tool constrain the output to calls that fit the schemas). `metadata`, `service_tier` and
-  `thinking` (no budget is enforced) are accepted and change nothing; any other field is a 400.
+  and tool constrain the output to calls that fit the schemas); `output_config.format` (a JSON
+  schema) through structured output. `metadata`, `service_tier`, `cache_control`, `thinking` and
+  `output_config.effort` (no reasoning budget is enforced) and the like are accepted and change
+  nothing (`IGNORED`); any other field is a 400.
 - Out: `text` and `tool_use` blocks (a `thinking` block first where the chat answer carries
   `reasoning_content`), `stop_reason` end_turn / max_tokens / stop_sequence / tool_use, `usage`.
   Streamed as Anthropic's events: `message_start`, per block `content_block_start`,
@@ -22,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.client import RequestOutput
@@ -35,8 +37,10 @@ from .state import ServerState
 from .tools import plan_tools
 from .translate import chat_request, reasoning_of, refuse_unknown, renamed_params, translated_stream
 
-IGNORED = frozenset({"metadata", "service_tier", "thinking"})
-PARAMS = {"stop": "stop_sequences"}
+# Accepted and without effect here: bookkeeping, routing and caching hints, and reasoning settings.
+IGNORED = frozenset({"metadata", "service_tier", "thinking", "cache_control", "speed", "inference_geo",
+                     "user_profile_id", "workspace_id", "diagnostics"})
+PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format"}
 
 
 class _Closed(BaseModel):
@@ -47,6 +51,20 @@ class _Open(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+class _Block(BaseModel):
+    """A content block: a field it does not know is refused unless null (clients send back the blocks
+    they were given, with the null fields of newer API versions)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="after")
+    def _no_unknown_values(self) -> "_Block":
+        unknown = sorted(k for k, v in (self.model_extra or {}).items() if v is not None)
+        if unknown:
+            raise ValueError(f"the field '{unknown[0]}' of a {getattr(self, 'type', '')} block is not supported")
+        return self
+
+
 def _text_or(blocks: Any) -> Any:
     """A string, or a list of `blocks`, chosen by the value: one error about the branch given (an
     unknown block type names the types taken) rather than one a member of the union."""
@@ -54,14 +72,14 @@ def _text_or(blocks: Any) -> Any:
                      Discriminator(lambda v: "text" if isinstance(v, str) else "blocks")]
 
 
-class TextBlock(_Closed):
+class TextBlock(_Block):
     type: Literal["text"]
     text: str
     cache_control: dict | None = None
     citations: list | None = None
 
 
-class ToolUseBlock(_Closed):
+class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -69,7 +87,7 @@ class ToolUseBlock(_Closed):
     cache_control: dict | None = None
 
 
-class ToolResultBlock(_Closed):
+class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
     content: _text_or(TextBlock) | None = None
@@ -77,13 +95,13 @@ class ToolResultBlock(_Closed):
     cache_control: dict | None = None
 
 
-class ThinkingBlock(_Closed):
+class ThinkingBlock(_Block):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Closed):
+class RedactedThinkingBlock(_Block):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -111,6 +129,16 @@ class ToolChoice(_Closed):
     disable_parallel_tool_use: bool | None = None
 
 
+class JsonOutputFormat(_Closed):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(_Closed):
+    format: JsonOutputFormat | None = None
+    effort: str | None = None  # accepted, without effect (no reasoning budget here)
+
+
 class CountTokensRequest(_Open):
     model: str
     messages: list[InputMessage]
@@ -126,6 +154,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool | None = False
+    output_config: OutputConfig | None = None
 
 
 # -- in: a Messages request as a chat request ----------------------------------------------------
@@ -196,6 +225,9 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
     fields = {"model": body.model, "messages": chat_messages(body), "max_tokens": body.max_tokens,
               "stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p,
               "top_k": body.top_k, "stream": bool(body.stream), **_tool_fields(body)}
+    if body.output_config is not None and body.output_config.format is not None:
+        fields["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": body.output_config.format.schema_}}
     return chat_request(fields)
 
 
