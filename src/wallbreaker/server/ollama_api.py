@@ -438,7 +438,7 @@ def model_entry(state: ServerState) -> dict:
             "size": sum(f.stat().st_size for f in files), "digest": digest(path),
             "details": {"parent_model": "", "format": "gguf" if path.suffix == ".gguf" else "safetensors",
                         "family": llm.model_config.architecture, "families": [llm.model_config.architecture],
-                        "parameter_size": f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.0f}M",
+                        "parameter_size": f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.2f}M",
                         "quantization_level": quant.group(1).upper() if quant else "unknown"}}
 
 
