@@ -16,7 +16,8 @@ import pytest
 from server_apps import running_server, tool_app
 from server_process import free_port
 
-from wallbreaker.server.anthropic_messages import stop_reason
+from wallbreaker.server.anthropic_messages import error_event, stop_reason
+from wallbreaker.server.errors import APIError
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -74,7 +75,8 @@ def test_a_message_is_the_chat_answer_to_the_same_conversation(client, chat):
 def test_system_blocks_read_as_a_system_string(client):
     as_string = client.messages.count_tokens(model="default", system="Be brief. Be kind.", messages=USER)
     as_blocks = client.messages.count_tokens(model="default", messages=USER, system=[
-        {"type": "text", "text": "Be brief."}, {"type": "text", "text": " Be kind.", "cache_control": {"type": "ephemeral"}}])
+        {"type": "text", "text": "Be brief."},
+        {"type": "text", "text": " Be kind.", "cache_control": {"type": "ephemeral"}}])
     without = client.messages.count_tokens(model="default", messages=USER)
     assert as_blocks.input_tokens > without.input_tokens
     assert abs(as_blocks.input_tokens - as_string.input_tokens) <= 1  # joined with a newline, not a space
@@ -102,7 +104,8 @@ def test_a_stream_is_the_full_event_sequence_and_assembles_to_the_answer(client)
 def test_a_stop_sequence_ends_the_message_and_is_named(client):
     free = client.messages.create(model="default", max_tokens=16, messages=USER, extra_body=GREEDY).content[0].text
     stop = free[4:7]
-    cut = client.messages.create(model="default", max_tokens=16, messages=USER, extra_body=GREEDY, stop_sequences=[stop])
+    cut = client.messages.create(model="default", max_tokens=16, messages=USER, extra_body=GREEDY,
+                                 stop_sequences=[stop])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == free[:free.index(stop)]
 
@@ -204,3 +207,11 @@ def test_bad_input_is_a_4xx_in_anthropic_shape_while_another_stream_goes_on(clie
         {"type": "image", "source": {}}]}]}, path="/v1/messages/count_tokens"), 400, "invalid_request_error")
     thread.join(120)
     assert events[0] == "message_start" and events[-1] == "message_stop" and "message_delta" in events
+
+
+def test_a_failure_mid_stream_is_an_anthropic_error_event():
+    event = error_event(APIError(408, "the request did not finish within 1 s", type="timeout"))
+    kind, data = event.strip().split("\n")
+    assert kind == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {
+        "type": "error", "error": {"type": "timeout_error", "message": "the request did not finish within 1 s"}}

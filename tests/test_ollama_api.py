@@ -17,6 +17,9 @@ import pytest
 from server_apps import running_server, tool_app
 from server_process import free_port
 
+from wallbreaker.server.errors import APIError
+from wallbreaker.server.ollama_api import error_line
+
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0}
 
@@ -188,3 +191,8 @@ def test_the_key_guards_the_ollama_routes(tiny_llama):
         assert_ollama_error(httpx.get(f"{base}/api/tags", timeout=10), 401)
         keyed = ollama.Client(host=base, headers={"Authorization": "Bearer k"})
         assert keyed.list().models[0].model == "model:latest"
+
+
+def test_a_failure_mid_stream_is_one_more_line_the_client_raises():
+    line = error_line(APIError(500, "the engine failed on this request"))
+    assert line.endswith("\n") and json.loads(line) == {"error": "the engine failed on this request"}

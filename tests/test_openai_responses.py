@@ -16,7 +16,8 @@ import pytest
 from server_apps import assert_openai_error, running_server, tool_app
 from server_process import free_port
 
-from wallbreaker.server.openai_responses import input_messages
+from wallbreaker.server.errors import APIError
+from wallbreaker.server.openai_responses import EventWriter, error_event, input_messages
 
 USER = "What is the weather in Paris?"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
@@ -148,7 +149,8 @@ def test_input_items_become_chat_messages():
         {"role": "assistant", "content": "Let me look.", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"a\":1}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "one"}, {"role": "tool", "tool_call_id": "c2", "content": "two"}]
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"}]
 
 
 BAD = {
@@ -181,3 +183,14 @@ def test_bad_input_is_a_4xx_in_openais_shape_while_another_stream_goes_on(client
         assert_openai_error(response, status, param)
     thread.join(120)
     assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+
+
+def test_a_failure_mid_stream_is_an_error_event_the_client_raises():
+    writer = EventWriter()
+    writer.event("response.created", response={})
+    event = error_event(writer)(APIError(408, "too slow", type="timeout", code="request_timeout"))
+    kind, data = event.strip().split("\n")
+    body = json.loads(data.removeprefix("data: "))
+    assert kind == "event: error" and body["type"] == "error" and body["sequence_number"] == 1
+    assert body["message"] == "too slow" and body["code"] == "request_timeout"
+    assert body["error"] == {"message": "too slow", "type": "timeout", "param": None, "code": "request_timeout"}

@@ -47,7 +47,8 @@ def error_response(error: APIError, path: str = "") -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Turn every exception into the path's API error shape (OpenAI's but for Anthropic's and Ollama's paths): ours, FastAPI's validation (400, never 422),
+    """Turn every exception into the error shape of the path's API (OpenAI's, but Anthropic's and
+    Ollama's on their paths): ours, FastAPI's validation (400, never 422),
     Starlette's 404/405, and anything unexpected (500, logged, the server keeps running)."""
 
     @app.exception_handler(APIError)

@@ -151,7 +151,8 @@ def chat_messages(messages: list[OllamaMessage]) -> list[dict]:
         if m.tool_calls:
             message["tool_calls"] = [
                 {"id": f"call_{i}_{j}", "type": "function",
-                 "function": {"name": c.function.name, "arguments": json.dumps(c.function.arguments, ensure_ascii=False)}}
+                 "function": {"name": c.function.name,
+                              "arguments": json.dumps(c.function.arguments, ensure_ascii=False)}}
                 for j, c in enumerate(m.tool_calls)]
         if m.tool_name:
             message["name"] = m.tool_name
@@ -311,7 +312,8 @@ async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateRequest)
     refuse_unknown(body)
     check_model(state, body.model)
-    for field, why in (("suffix", "fill-in-the-middle"), ("template", "Go templates (the model's own chat template is used)"),
+    for field, why in (("suffix", "fill-in-the-middle"),
+                       ("template", "Go templates (the model's own chat template is used)"),
                        ("context", "the deprecated context tokens (send the conversation to /api/chat)"),
                        ("images", "images (this server serves text models)")):
         if getattr(body, field):

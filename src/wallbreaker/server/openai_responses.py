@@ -130,7 +130,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
-                raise bad_request(f"{where}: a function_call needs call_id, name and arguments (strings)", param="input")
+                raise bad_request(f"{where}: a function_call needs call_id, name and arguments (strings)",
+                                  param="input")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
@@ -231,7 +232,8 @@ class Reply:
                 "top_p": body.top_p if body.top_p is not None else 1.0,
                 "tool_choice": _echo_choice(body.tool_choice),
                 "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
-                "text": {"format": fmt}, "truncation": "disabled", "metadata": (body.model_extra or {}).get("metadata") or {},
+                "text": {"format": fmt}, "truncation": "disabled",
+                "metadata": (body.model_extra or {}).get("metadata") or {},
                 "reasoning": {"effort": None, "summary": None}}
 
 
@@ -248,7 +250,8 @@ def _status(finish_reason: str | None) -> str:
 def answer_message(output: list[dict]) -> dict:
     """This response's output as the assistant message that continues its conversation."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
     return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
@@ -291,7 +294,8 @@ class EventWriter:
         if item["kind"] == "message":
             done = message_item(item["id"], item["text"])
             events = [self.event("response.output_text.done", **where, content_index=0, text=item["text"], logprobs=[]),
-                      self.event("response.content_part.done", **where, content_index=0, part=output_text(item["text"]))]
+                      self.event("response.content_part.done", **where, content_index=0,
+                                 part=output_text(item["text"]))]
         elif item["kind"] == "reasoning":
             done = reasoning_item(item["id"], item["text"])
             events = [self.event("response.reasoning_text.done", **where, content_index=0, text=item["text"])]
