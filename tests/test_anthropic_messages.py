@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from server_apps import running_server, tool_app
 from server_process import free_port
 
-from wallbreaker.server.anthropic_messages import error_event, stop_reason
+from wallbreaker.server.anthropic_messages import BlockWriter, error_event, message_body, stop_reason
 from wallbreaker.server.errors import APIError
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
@@ -215,3 +216,26 @@ def test_a_failure_mid_stream_is_an_anthropic_error_event():
     assert kind == "event: error"
     assert json.loads(data.removeprefix("data: ")) == {
         "type": "error", "error": {"type": "timeout_error", "message": "the request did not finish within 1 s"}}
+
+
+def _events(lines: list[str]) -> list[dict]:
+    return [json.loads(line.split("\ndata: ", 1)[1]) for line in lines]
+
+
+def test_reasoning_the_chat_answer_carries_becomes_a_thinking_block_first():
+    """The seam for reasoning parsing: a chat answer's `reasoning_content` (where the model's reasoning
+    is parsed out) is a thinking block before the text, whole or streamed."""
+    message = SimpleNamespace(content="Paris.", tool_calls=None, reasoning_content="The capital is Paris.")
+    answer = SimpleNamespace(choices=[SimpleNamespace(message=message, finish_reason="stop")],
+                             usage=SimpleNamespace(prompt_tokens=3, completion_tokens=5))
+    run = SimpleNamespace(chat_id="msg-1", state=SimpleNamespace(model_name="m"))
+    body = message_body(run, answer, SimpleNamespace(outputs=[SimpleNamespace(stop_reason=None)]))
+    assert body["content"] == [{"type": "thinking", "thinking": "The capital is Paris.", "signature": ""},
+                               {"type": "text", "text": "Paris."}]
+    blocks = BlockWriter()
+    events = _events(blocks.thinking("The capital") + blocks.thinking(" is Paris.") + blocks.text("Paris.")
+                     + blocks.close())
+    assert [(e["type"], e["index"]) for e in events] == [
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1)]
+    assert events[1]["delta"] == {"type": "thinking_delta", "thinking": "The capital"}

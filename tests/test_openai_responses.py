@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -17,7 +18,7 @@ from server_apps import assert_openai_error, running_server, tool_app
 from server_process import free_port
 
 from wallbreaker.server.errors import APIError
-from wallbreaker.server.openai_responses import EventWriter, error_event, input_messages
+from wallbreaker.server.openai_responses import EventWriter, error_event, input_messages, output_items
 
 USER = "What is the weather in Paris?"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
@@ -194,3 +195,20 @@ def test_a_failure_mid_stream_is_an_error_event_the_client_raises():
     assert kind == "event: error" and body["type"] == "error" and body["sequence_number"] == 1
     assert body["message"] == "too slow" and body["code"] == "request_timeout"
     assert body["error"] == {"message": "too slow", "type": "timeout", "param": None, "code": "request_timeout"}
+
+
+def test_reasoning_the_chat_answer_carries_becomes_a_reasoning_item_first():
+    """The seam for reasoning parsing: a chat answer's `reasoning_content` is a reasoning item before
+    the message, whole or streamed."""
+    message = SimpleNamespace(content="Paris.", tool_calls=None, reasoning_content="The capital is Paris.")
+    items = output_items(SimpleNamespace(choices=[SimpleNamespace(message=message)]))
+    assert [i["type"] for i in items] == ["reasoning", "message"]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": "The capital is Paris."}]
+    writer = EventWriter()
+    lines = writer.reasoning("The capital") + writer.text("Paris.") + writer.close()
+    kinds = [line.split("\n", 1)[0].removeprefix("event: ") for line in lines]
+    assert kinds == ["response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+                     "response.output_item.done", "response.output_item.added", "response.content_part.added",
+                     "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done"]
+    assert [i["type"] for i in writer.items] == ["reasoning", "message"]
