@@ -23,14 +23,10 @@ completion handling.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import re
-import threading
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -38,8 +34,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.client import RequestOutput
-from ..llm import LLM
 from .errors import APIError, bad_request, parse_body
+from .ollama_models import model_entry, running_entry, show_body
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .serving_completion import CompletionRun, completion_chunks, completion_response, start_completion
 from .state import ServerState
@@ -158,11 +154,6 @@ def chat_messages(messages: list[OllamaMessage]) -> list[dict]:
             message["name"] = m.tool_name
         out.append(message)
     return out
-
-
-def model_names(state: ServerState) -> tuple[str, str]:
-    """The model as Ollama lists it (`name:latest`), and as it is known elsewhere."""
-    return f"{state.model_name}:latest", state.model_name
 
 
 def check_model(state: ServerState, name: str | None) -> None:
@@ -364,10 +355,7 @@ async def tags(request: Request) -> Response:
 @router.get("/api/ps")
 async def ps(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    entry = await run_in_threadpool(model_entry, state)
-    entry.pop("modified_at")
-    entry.update(size=state.llm.weight_bytes + state.llm.kv_cache.nbytes, size_vram=0, expires_at=None,
-                 context_length=state.llm.max_model_len)
+    entry = await run_in_threadpool(running_entry, state)
     return _json({"models": [entry]})
 
 
@@ -380,68 +368,7 @@ async def show(request: Request) -> Response:
     if not name:
         raise bad_request("model is required", param="model")
     check_model(state, name)
-    llm, c = state.llm, state.llm.model_config
-    arch = c.architecture
-    info = {"general.architecture": arch, "general.parameter_count": parameter_count(llm),
-            f"{arch}.context_length": llm.max_model_len, f"{arch}.embedding_length": c.hidden_size,
-            f"{arch}.block_count": c.num_layers, f"{arch}.feed_forward_length": c.intermediate_size,
-            f"{arch}.attention.head_count": c.num_heads, f"{arch}.attention.head_count_kv": c.num_kv_heads,
-            f"{arch}.vocab_size": c.vocab_size}
-    entry = await run_in_threadpool(model_entry, state)
-    return _json({"license": "", "modelfile": f"# served by wallbreaker\nFROM {llm.model_path}\n",
-                  "parameters": "", "template": llm.chat_template.source, "details": entry["details"],
-                  "model_info": info, "capabilities": ["completion", "tools"], "modified_at": entry["modified_at"]})
-
-
-# -- what /api/tags, /api/show and /api/ps say about the model -----------------------------------
-_digests: dict[Path, str] = {}
-_digest_lock = threading.Lock()
-
-
-def _files(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-
-
-def digest(path: Path) -> str:
-    """The SHA-256 of the model's bytes (a folder's files in name order), computed once a process."""
-    with _digest_lock:
-        if path not in _digests:
-            h = hashlib.sha256()
-            for f in _files(path):
-                with open(f, "rb") as stream:
-                    while chunk := stream.read(1 << 24):
-                        h.update(chunk)
-            _digests[path] = h.hexdigest()
-        return _digests[path]
-
-
-def parameter_count(llm: LLM) -> int:
-    """The parameters of the model's shape (its weights may be packed, so not counted off the tensors)."""
-    c = llm.model_config
-    attention = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    width = c.expert_intermediate_size or c.intermediate_size if c.num_experts else c.intermediate_size
-    mlp = 3 * c.hidden_size * width * max(c.num_experts, 1)
-    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return embeddings + c.num_layers * (attention + mlp)
-
-
-_QUANT = re.compile(r"(?i)(?:^|[-_.])(i?q\d(?:_k)?(?:_[a-z0-9]+)?|bf16|f16|f32)$")
-
-
-def model_entry(state: ServerState) -> dict:
-    """The model as Ollama's /api/tags lists one."""
-    llm, path = state.llm, state.llm.model_path
-    files = _files(path)
-    count = parameter_count(llm)
-    quant = _QUANT.search(path.stem if path.is_file() else path.name)
-    listed, _ = model_names(state)
-    modified = datetime.fromtimestamp(max(f.stat().st_mtime for f in files), timezone.utc)
-    return {"name": listed, "model": listed, "modified_at": modified.isoformat().replace("+00:00", "Z"),
-            "size": sum(f.stat().st_size for f in files), "digest": digest(path),
-            "details": {"parent_model": "", "format": "gguf" if path.suffix == ".gguf" else "safetensors",
-                        "family": llm.model_config.architecture, "families": [llm.model_config.architecture],
-                        "parameter_size": f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.2f}M",
-                        "quantization_level": quant.group(1).upper() if quant else "unknown"}}
+    return _json(await run_in_threadpool(show_body, state))
 
 
 def add_ollama_api(app: FastAPI, dependencies: list) -> None:
