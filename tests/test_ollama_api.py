@@ -18,7 +18,7 @@ from server_apps import running_server, tool_app
 from server_process import free_port
 
 from wallbreaker.server.errors import APIError
-from wallbreaker.server.ollama_api import error_line
+from wallbreaker.server.ollama_api import error_line, ollama_tool_calls
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0}
@@ -196,3 +196,10 @@ def test_the_key_guards_the_ollama_routes(tiny_llama):
 def test_a_failure_mid_stream_is_one_more_line_the_client_raises():
     line = error_line(APIError(500, "the engine failed on this request"))
     assert line.endswith("\n") and json.loads(line) == {"error": "the engine failed on this request"}
+
+
+def test_calls_go_out_as_the_clients_tool_calls_with_object_arguments():
+    calls = ollama_tool_calls([("get_weather", '{"city": "Paris"}'), ("get_time", "cut short {")])
+    message = ollama.Message.model_validate({"role": "assistant", "content": "", "tool_calls": calls})
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]

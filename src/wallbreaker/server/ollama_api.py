@@ -183,7 +183,8 @@ def done_reason(finish_reason: str | None) -> str:
     return "length" if finish_reason == "length" else "stop"  # Ollama ends a tool call with "stop" too
 
 
-def _calls(calls: list[tuple[str, str]]) -> list[dict]:
+def ollama_tool_calls(calls: list[tuple[str, str]]) -> list[dict]:
+    """Calls as Ollama sends them: numbered, their arguments an object ({} for a call cut short)."""
     out = []
     for index, (name, arguments) in enumerate(calls):
         try:
@@ -231,7 +232,8 @@ async def chat_lines(run: ChatRun, name: str, started_ns: int, generate: bool) -
                            **({"thinking": thinking} if thinking else {})}
                 yield _line({"model": name, "created_at": _now(), "message": message, "done": False})
     if calls and not generate:
-        message = {"role": "assistant", "content": "", "tool_calls": _calls([tuple(calls[i]) for i in sorted(calls)])}
+        held = [(calls[i][0], calls[i][1]) for i in sorted(calls)]
+        message = {"role": "assistant", "content": "", "tool_calls": ollama_tool_calls(held)}
         yield _line({"model": name, "created_at": _now(), "message": message, "done": False})
     last = {"model": name, "created_at": _now(), "done": True, "done_reason": done_reason(finish_reason),
             **counters(finished[0] if finished else None, started_ns)}
@@ -291,7 +293,8 @@ async def chat(request: Request) -> Response:
     if reasoning_of(choice.message):
         message["thinking"] = reasoning_of(choice.message)
     if choice.message.tool_calls:
-        message["tool_calls"] = _calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])
+        message["tool_calls"] = ollama_tool_calls([(c.function.name, c.function.arguments)
+                                                   for c in choice.message.tool_calls])
     return _json({"model": name, "created_at": _now(), "message": message, "done": True,
                   "done_reason": done_reason(choice.finish_reason), **counters(output, started)})
 
