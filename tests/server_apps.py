@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from wallbreaker import LLM, EngineConfig
+from wallbreaker.formats.chat_template import ChatTemplate
 from wallbreaker.server.app import build_app
 from wallbreaker.server.run import uvicorn_config
 
@@ -27,6 +28,19 @@ def make_app(model: Path, *, max_model_len: int = 64, max_num_seqs: int = 4, **o
     engine = {k: v for k, v in options.items() if k in engine_fields}
     llm = LLM(model, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs, **engine)
     return build_app(llm, **{k: v for k, v in options.items() if k not in engine_fields})
+
+
+# A short template that takes tools: the tiny tokenizer spends a token on every few characters, and
+# the Hermes listing that a template without tools gets (the tiny model's own) fills its context.
+TOOL_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+                 "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tool_app(model, **options):
+    app = make_app(model, max_model_len=1024, max_num_seqs=8, **options)
+    app.state.server.llm.chat_template = ChatTemplate(TOOL_TEMPLATE, None, None)
+    return app
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_apps import app_client, assert_openai_error, make_app, running_server
+from server_apps import app_client, assert_openai_error, make_app, running_server, tool_app
 from server_process import free_port
 
 from wallbreaker.formats.chat_template import ChatTemplate
@@ -31,19 +31,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMA = {"type": "object", "properties": {"tag": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0,
                                                                                       "maximum": 9}},
           "required": ["tag", "n"], "additionalProperties": False}
-
-
-# A short template that takes tools: the tiny tokenizer spends a token on every few characters, and
-# the Hermes listing that a template without tools gets (the tiny model's own) fills its context.
-TOOL_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
-                 "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def tool_app(model, **options):
-    app = make_app(model, max_model_len=1024, max_num_seqs=8, **options)
-    app.state.server.llm.chat_template = ChatTemplate(TOOL_TEMPLATE, None, None)
-    return app
 
 
 @pytest.fixture(scope="module")

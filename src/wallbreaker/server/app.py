@@ -13,11 +13,14 @@ from pydantic import BaseModel
 
 from ..llm import LLM
 from .access_log import AccessLogMiddleware
+from .anthropic_messages import add_anthropic_messages
 from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .errors import APIError, install_error_handlers, parse_body
 from .guards import BodyGuard, HostCheck, allowed_hosts_for
 from .metrics import ServerMetrics
+from .ollama_api import add_ollama_api
+from .openai_responses import add_openai_responses
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeCompletionRequest
 from .responses import ModelCard, ModelList
 from .serving_chat import create_chat_completion
@@ -97,6 +100,10 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     async def infill(request: Request) -> Response:
         return await create_infill(await parse_body(request, InfillRequest), request, state)
 
+    add_anthropic_messages(app, v1)
+    add_ollama_api(app, v1)
+    add_openai_responses(app, v1)
+
     add_chat_page(app)  # GET / and /static/*: the chat page, never behind the key (it holds no secret)
     return app
 
@@ -110,7 +117,9 @@ def _api_key_check(api_key: str | None) -> Callable[[Request], None]:
         if api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")  # Anthropic's clients send the key so
+        if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                            code="invalid_api_key")
     return check

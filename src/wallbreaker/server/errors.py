@@ -12,7 +12,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InvalidRequestError
-from .responses import ErrorInfo, ErrorResponse
+from .error_shapes import error_body
+from .responses import ErrorInfo
 
 logger = logging.getLogger("wallbreaker.server")
 M = TypeVar("M", bound=BaseModel)
@@ -40,36 +41,39 @@ def request_timeout(seconds: float) -> APIError:
                     type="timeout", code="request_timeout")
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=error.info).model_dump(), status_code=error.status)
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API that `path` belongs to (server/error_shapes.py)."""
+    return JSONResponse(error_body(error.status, error.info, path), status_code=error.status)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Turn every exception into OpenAI's error shape: ours, FastAPI's validation (400, never 422),
+    """Turn every exception into the error shape of the path's API (OpenAI's, but Anthropic's and
+    Ollama's on their paths): ours, FastAPI's validation (400, never 422),
     Starlette's 404/405, and anything unexpected (500, logged, the server keeps running)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(bad_request(str(exc)))
+        return error_response(bad_request(str(exc)), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc.errors()))
+        return error_response(validation_error(exc.errors()), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=exc.status_code))
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=exc.status_code),
+                              request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="internal_server_error",
-                                       code="internal_error"))
+                                       code="internal_error"), request.url.path)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:

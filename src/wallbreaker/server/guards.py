@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .error_shapes import error_body
 from .errors import APIError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -53,8 +54,9 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-async def send_error(send: Send, error: APIError) -> None:
-    body = json.dumps({"error": error.info.model_dump()}).encode()
+async def send_error(send: Send, path: str, error: APIError) -> None:
+    """`error` in the shape of the API that `path` belongs to (server/error_shapes.py)."""
+    body = json.dumps(error_body(error.status, error.info, path)).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
@@ -70,7 +72,7 @@ class HostCheck:
         if scope["type"] == "http" and self.allowed is not None:
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             if host_name(host) not in self.allowed:
-                await send_error(send, APIError(
+                await send_error(send, scope["path"], APIError(
                     400, f"this server does not answer to the host {host[:100]!r} (see --allowed-hosts)",
                     code="invalid_host"))
                 return
@@ -92,23 +94,25 @@ class BodyGuard:
         headers = dict(scope["headers"])
         kind = headers.get(b"content-type", b"").decode("latin-1").split(";", 1)[0].strip().lower()
         if kind != "application/json" and not kind.endswith("+json"):
-            await send_error(send, APIError(415, f"send the body as JSON with 'Content-Type: application/json' "
-                                                 f"(got {kind[:60] or 'none'!r})", code="unsupported_media_type"))
+            await send_error(send, scope["path"], APIError(
+                415, f"send the body as JSON with 'Content-Type: application/json' (got {kind[:60] or 'none'!r})",
+                code="unsupported_media_type"))
             return
         declared = headers.get(b"content-length")
         limit = self.max_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
             if int(declared) <= DRAIN_FACTOR * limit:
                 await self._within_time(self._read(receive, DRAIN_FACTOR * limit))
-            await send_error(send, _too_large(limit))
+            await send_error(send, scope["path"], _too_large(limit))
             return
         body = await self._within_time(self._read(receive, limit))
         if body is _TIMED_OUT:
-            await send_error(send, APIError(408, f"the request body did not arrive within {self.timeout_s:g} s",
-                                            type="timeout", code="body_timeout"))
+            await send_error(send, scope["path"], APIError(
+                408, f"the request body did not arrive within {self.timeout_s:g} s", type="timeout",
+                code="body_timeout"))
         elif body is None:
             await self._within_time(self._read(receive, (DRAIN_FACTOR - 1) * limit))
-            await send_error(send, _too_large(limit))
+            await send_error(send, scope["path"], _too_large(limit))
         elif isinstance(body, bytes):
             await self.app(scope, _replay(body, receive), send)
         # else the client left while sending: nobody to answer

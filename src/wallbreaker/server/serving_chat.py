@@ -7,6 +7,7 @@ index, id, type and name, the next ones pieces of its arguments. A reasoning mod
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request, Response
 from starlette.concurrency import run_in_threadpool
@@ -27,39 +28,74 @@ from .streaming import collect, deltas, event_stream, sse
 from .tools import Call, ToolPlan, ToolStream, plan_tools
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
-    access, chat_id, deadline = state.admit(request, body.model, "chatcmpl")
+@dataclass
+class ChatRun:
+    """One chat request handed to the engine: what its answer is translated with. The other APIs
+    (Anthropic's Messages, Ollama's chat, OpenAI's Responses) build a `ChatCompletionRequest`, start it
+    here, and translate the chat answer or its chunks into their own shapes."""
+
+    state: ServerState
+    handle: RequestHandle
+    engine_request: EngineRequest
+    access: AccessRecord
+    deadline: float | None
+    plan: ToolPlan | None
+    parallel: bool
+    reasoning: ReasoningParser | None  # the chat template's thinking style, if it has one
+
+    @property
+    def chat_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.engine_request.prompt_token_ids)
+
+
+async def start_chat(body: ChatCompletionRequest, request: Request, state: ServerState, prefix: str = "chatcmpl"
+                     ) -> ChatRun:
+    """Check the request, render its prompt, compile its constraint and queue it on the engine."""
+    access, chat_id, deadline = state.admit(request, body.model, prefix)
     plan = plan_tools(body, state.llm.chat_template)
     params, source = chat_params(body, plan.spec if plan is not None and plan.forced else None)
     text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens, plan,
                                         body.chat_template_kwargs)
-    reasoning = ReasoningParser.for_template(state.llm.chat_template.source)
     grammar = await state.compile_grammar(params.structured_outputs, source)
     engine_request = EngineRequest(ids, params, text, chat_id, body.cache_salt, grammar)
     access.prompt_tokens = len(ids)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))
-    parallel = body.parallel_tool_calls is not False
-    if body.stream:
-        chunks = _stream(state, handle, engine_request, body.include_usage, access, deadline, plan, parallel,
-                         reasoning, text)
-        return event_stream(handle, chunks, state.request_timeout)
-    output = (await collect(handle, request, deadline, state.request_timeout))[chat_id]
+    return ChatRun(state, handle, engine_request, access, deadline, plan, body.parallel_tool_calls is not False,
+                   ReasoningParser.for_template(state.llm.chat_template.source))
+
+
+async def chat_response(run: ChatRun, request: Request) -> tuple[ChatCompletionResponse, RequestOutput]:
+    """The whole answer, and the engine's output it came from (its metrics, stop reasons)."""
+    state, params = run.state, run.engine_request.params
+    output = (await collect(run.handle, request, run.deadline, state.request_timeout))[run.chat_id]
     choices = []
     for c in output.outputs:
         answer, thinking = c.text, None
-        if reasoning is not None:
-            split = reasoning.split(c.text, text)
+        if run.reasoning is not None:
+            split = run.reasoning.split(c.text, run.engine_request.prompt)
             answer, thinking = split.content, split.reasoning or None
-        message, finish_reason = _message(plan, answer, c.finish_reason, parallel)
+        message, finish_reason = _message(run.plan, answer, c.finish_reason, run.parallel)
         message.reasoning_content = thinking
         logprobs = None
         if params.logprobs is not None:
             logprobs = chat_logprobs(state.strings, c.token_ids, c.logprobs or [], c.top_logprobs or [])
         choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason, logprobs=logprobs))
     usage = _usage(output)
-    access.completion_tokens = usage.completion_tokens
-    access.ttft_s = output.metrics.get("ttft_s")
-    body_out = ChatCompletionResponse(id=chat_id, model=state.model_name, choices=choices, usage=usage)
+    run.access.completion_tokens = usage.completion_tokens
+    run.access.ttft_s = output.metrics.get("ttft_s")
+    return ChatCompletionResponse(id=run.chat_id, model=state.model_name, choices=choices, usage=usage), output
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
+    run = await start_chat(body, request, state)
+    if body.stream:
+        chunks = (sse(c) async for c in chat_chunks(run, body.include_usage, []))
+        return event_stream(run.handle, chunks, state.request_timeout)
+    body_out, _ = await chat_response(run, request)
     return Response(body_out.model_dump_json(), media_type="application/json")
 
 
@@ -157,21 +193,19 @@ def _with_reasoning(delta: DeltaMessage | None, reasoning: str) -> DeltaMessage 
     return delta
 
 
-async def _stream(state: ServerState, handle: RequestHandle, engine_request: EngineRequest, include_usage: bool,
-                  access: AccessRecord, deadline: float | None, plan: ToolPlan | None,
-                  parallel: bool, reasoning: ReasoningParser | None = None,
-                  prompt: str | None = None) -> AsyncIterator[str]:
-    chat_id, params = engine_request.request_id, engine_request.params
+async def chat_chunks(run: ChatRun, include_usage: bool, finished: list[RequestOutput]
+                      ) -> AsyncIterator[ChatCompletionChunk]:
+    """The streamed answer's chunks; each request's final output is appended to `finished` as it ends."""
+    state, chat_id, params, plan = run.state, run.chat_id, run.engine_request.params, run.plan
 
-    def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
-        return sse(ChatCompletionChunk(id=chat_id, model=state.model_name, choices=choices, usage=usage))
+    def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=chat_id, model=state.model_name, choices=choices, usage=usage)
 
     yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(params.n)])
-    streams = {i: _ChoiceStream(plan, parallel, reasoning.stream(prompt) if reasoning is not None else None)
-               for i in range(params.n)}
-    finished: list[RequestOutput] = []
-    async for event in deltas(handle, access, deadline, finished):
+    streams = {i: _ChoiceStream(plan, run.parallel, run.reasoning.stream(run.engine_request.prompt)
+                                if run.reasoning is not None else None) for i in range(params.n)}
+    async for event in deltas(run.handle, run.access, run.deadline, finished):
         logprobs = None
         if params.logprobs is not None and event.token_ids:
             logprobs = chat_logprobs(state.strings, event.token_ids, event.logprobs, event.top_logprobs)

@@ -36,8 +36,9 @@ class EventStreamResponse(StreamingResponse):
     """A `text/event-stream` response that calls `on_close` however it ends: finished, failed,
     cancelled by a disconnect, or cancelled before its generator ever started."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
 

@@ -1,0 +1,82 @@
+"""What the translated APIs (Anthropic's Messages, Ollama's, OpenAI's Responses) share: each builds
+the request the chat or completion handling takes, runs it there, and writes the answer in its own
+shape. Nothing here generates: these are the seams between a foreign shape and ours."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .async_engine import RequestHandle
+from .errors import APIError, bad_request, request_timeout, validation_error
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .streaming import EventStreamResponse
+
+
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request a translated one stands for; what it cannot hold is a 400, never a 500."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+def completion_request(fields: dict[str, Any]) -> CompletionRequest:
+    try:
+        return CompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+def refuse_unknown(body: BaseModel, ignored: frozenset[str] = frozenset()) -> None:
+    """400 for the first field of `body` its model does not know, unless it is one of `ignored`
+    (fields that never change the output). Never a silent drop."""
+    unknown = sorted(k for k in (body.model_extra or {}) if k not in ignored)
+    if unknown:
+        raise bad_request(f"the field '{unknown[0]}' is not supported by this server; leave it out "
+                          f"(unknown fields are refused, not ignored)", param=unknown[0])
+
+
+@contextmanager
+def renamed_params(names: dict[str, str]) -> Iterator[None]:
+    """An error about a chat field (`param`) raised inside names the translated API's field instead:
+    `response_format` is Ollama's `format`, the Responses API's `text.format`."""
+    try:
+        yield
+    except APIError as e:
+        new = names.get(e.info.param or "")
+        if new is not None:
+            old = e.info.param
+            e.info.param = new
+            e.info.message = e.info.message.replace(old, new, 1)
+        raise
+
+
+def reasoning_of(message: Any) -> str | None:
+    """The reasoning the chat answer (or a chunk's delta) carries apart from its content, where the
+    model's reasoning is parsed out (`reasoning_content`); None where it is not."""
+    return getattr(message, "reasoning_content", None) or None
+
+
+def translated_stream(handle: RequestHandle, events: AsyncIterator[str], error_event: Callable[[APIError], str],
+                      timeout_s: float | None, media_type: str = "text/event-stream",
+                      last: str | None = None) -> EventStreamResponse:
+    """`events` as a whole stream in an API's own framing: a deadline passed or an API error mid-way
+    becomes that API's error event (`error_event`), `last` (if any) ends it, and the engine requests
+    are aborted however it ends."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except TimeoutError:
+            handle.abort("timeout")
+            yield error_event(request_timeout(timeout_s or 0.0))
+        except APIError as e:
+            yield error_event(e)
+        if last is not None:
+            yield last
+
+    return EventStreamResponse(guarded(), on_close=handle.abort, media_type=media_type)
