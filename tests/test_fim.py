@@ -62,6 +62,18 @@ def test_suffix_asks_for_the_middle_in_the_fim_layout(fim_client):
     assert plain["usage"]["prompt_tokens"] != len(by_hand)
 
 
+def test_ollama_generate_with_a_suffix_is_the_completions_middle(fim_client):
+    prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(1, 2))"
+    model = fim_client.get("/v1/models").json()["data"][0]["id"]
+    r = fim_client.post("/api/generate", json={"model": model, "prompt": prefix, "suffix": suffix, "stream": False,
+                                               "options": {"temperature": 0, "num_predict": 8}})
+    assert r.status_code == 200, r.text
+    same = fim_client.post("/v1/completions", json={"prompt": prefix, "suffix": suffix, "temperature": 0,
+                                                    "max_tokens": 8}).json()
+    assert r.json()["response"] == same["choices"][0]["text"]
+    assert r.json()["prompt_eval_count"] == same["usage"]["prompt_tokens"]
+
+
 def test_infill_takes_llama_cpp_fields_and_answers_in_its_shape(fim_client):
     body = {"input_prefix": "def f(x):\n", "input_suffix": "\n    return y\n", "prompt": "    y =",
             "input_extra": [{"filename": "util.py", "text": "import os\n"}], "temperature": 0, "n_predict": 6}

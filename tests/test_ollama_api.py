@@ -96,7 +96,13 @@ def test_a_request_without_a_prompt_only_loads_the_model(client):
     assert client.generate(model="model", keep_alive=0).done_reason == "unload"
 
 
-def test_options_map_onto_the_sampling_settings(client):
+def openai_completion(url: str, body: dict) -> str:
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_options_map_onto_the_sampling_settings(client, url):
     free = client.generate(model="model", prompt="Hello", raw=True, options={**GREEDY, "num_predict": 16}).response
     stop = free[4:7]
     cut = client.generate(model="model", prompt="Hello", raw=True, options={**GREEDY, "num_predict": 16,
@@ -112,6 +118,14 @@ def test_options_map_onto_the_sampling_settings(client):
         **GREEDY, "num_predict": 16, "repeat_penalty": 1.5, "presence_penalty": 1.0, "frequency_penalty": 1.0,
         "top_k": 5, "top_p": 0.5, "min_p": 0.1})
     assert penalized.eval_count == 16
+    # llama.cpp's samplers under Ollama's option names: the completion route's own seeded answer
+    for extra in ({"typical_p": 0.5}, {"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2}):
+        ours = client.generate(model="model", prompt="Hello", raw=True,
+                               options={"seed": 3, "temperature": 1.0, "num_predict": 12, **extra}).response
+        fields = {("mirostat_mode" if k == "mirostat" else k): v for k, v in extra.items()}
+        same = openai_completion(url, {"prompt": "Hello", "seed": 3, "temperature": 1.0, "top_k": 40, "top_p": 0.9,
+                                       "max_tokens": 12, **fields})
+        assert ours == same, extra
 
 
 def test_tools_come_back_as_calls_with_object_arguments(client, url):
@@ -154,15 +168,16 @@ def test_tags_show_ps_and_version_describe_the_model_served(client, url, tiny_ll
 BAD = {
     "malformed JSON": ("/api/chat", b'{"model": "model", "messages": [', 400, "not valid JSON"),
     "unknown model": ("/api/chat", {"model": "llama3:8b", "messages": USER}, 404, "llama3:8b"),
-    "unsupported option": ("/api/chat", {"model": "model", "messages": USER, "options": {"mirostat": 2}}, 400,
-                           "mirostat"),
+    "unsupported option": ("/api/chat", {"model": "model", "messages": USER, "options": {"repeat_last_n": 8}}, 400,
+                           "repeat_last_n"),
     "schema that does not compile": ("/api/chat", {"model": "model", "messages": USER, "format": {"type": "nonsense"}},
                                      400, "format"),
     "unknown role": ("/api/chat", {"model": "model", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     "images": ("/api/chat", {"model": "model", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
                400, "images"),
     "unknown field": ("/api/generate", {"model": "model", "prompt": "x", "adapter": "y"}, 400, "adapter"),
-    "suffix": ("/api/generate", {"model": "model", "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    "suffix without FIM tokens": ("/api/generate", {"model": "model", "prompt": "x", "suffix": "y"}, 400,
+                                  "fill-in-the-middle"),
     "show an unknown model": ("/api/show", {"model": "mistral"}, 404, "mistral"),
 }
 
@@ -180,8 +195,8 @@ def test_bad_input_is_a_4xx_in_ollamas_shape_while_another_stream_goes_on(client
         response = httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
         assert words in assert_ollama_error(response, status), name
     with pytest.raises(ollama.ResponseError) as error:
-        client.chat(model="model", messages=USER, stream=False, options={"mirostat": 2})
-    assert error.value.status_code == 400 and "mirostat" in error.value.error
+        client.chat(model="model", messages=USER, stream=False, options={"repeat_last_n": 8})
+    assert error.value.status_code == 400 and "repeat_last_n" in error.value.error
     thread.join(120)
     assert parts[-1].done and parts[-1].eval_count == 40
 

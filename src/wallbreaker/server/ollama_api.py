@@ -9,16 +9,18 @@ completion handling.
   loaded when the server started), in nanoseconds.
 - `options`: temperature, top_p, top_k, min_p, num_predict (-1 and -2: to the end of the context),
   stop, seed (-1: random), repeat_penalty (as `repetition_penalty`, over the whole sequence, not
-  Ollama's last 64 tokens), presence_penalty, frequency_penalty. Left out, temperature, top_k and
-  top_p take Ollama's defaults (0.8, 40, 0.9). Options about hardware and memory (num_ctx, num_gpu,
-  num_thread, ...) change no output and are ignored; ones that would and are not supported here
-  (mirostat, typical_p, ...) are a 400 naming them.
+  Ollama's last 64 tokens), presence_penalty, frequency_penalty, typical_p, mirostat (2; 1 is a 400),
+  mirostat_tau, mirostat_eta. Left out, temperature, top_k and top_p take Ollama's defaults (0.8,
+  40, 0.9). Options about hardware and memory (num_ctx, num_gpu, num_thread, ...) change no output
+  and are ignored; ones that would and are not supported here (repeat_last_n, ...) are a 400 naming
+  them.
 - `format`: "json" or a JSON schema, through structured output. `tools` (OpenAI's shape) through the
   chat's tool calling; calls come back whole, their arguments as objects. `keep_alive` is accepted
   (the model stays loaded while the server runs); `think` too: a `thinking` field comes back where
   the chat answer carries `reasoning_content`.
 - `/api/generate` renders `prompt` (and `system`) through the chat template unless `raw`, which goes
-  to the completion handling as it is. A request without a prompt (or messages) only "loads" the model.
+  to the completion handling as it is; with a `suffix`, the completion's fill-in-the-middle (the
+  model's FIM tokens; a model without them is a 400). A request without a prompt (or messages) only "loads" the model.
 - Errors as Ollama writes them, `{"error": "..."}` (server/error_shapes.py), in a stream as one more line.
 """
 from __future__ import annotations
@@ -50,7 +52,8 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a 
 # option -> the chat / completion request's field
 OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "stop": "stop", "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                 "frequency_penalty": "frequency_penalty"}
+                 "frequency_penalty": "frequency_penalty", "typical_p": "typical_p", "mirostat": "mirostat",
+                 "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta"}
 PARAMS = {"response_format": "format", "max_tokens": "options.num_predict",
           **{field: f"options.{option}" for option, field in OPTION_FIELDS.items()}}
 # Options about where and how the model runs, never what it writes.
@@ -306,8 +309,7 @@ async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateRequest)
     refuse_unknown(body)
     check_model(state, body.model)
-    for field, why in (("suffix", "fill-in-the-middle"),
-                       ("template", "Go templates (the model's own chat template is used)"),
+    for field, why in (("template", "Go templates (the model's own chat template is used)"),
                        ("context", "the deprecated context tokens (send the conversation to /api/chat)"),
                        ("images", "images (this server serves text models)")):
         if getattr(body, field):
@@ -316,9 +318,10 @@ async def generate(request: Request) -> Response:
     if not body.prompt:
         return _loaded(name, True, body.keep_alive)
     stream = body.stream is not False
-    if body.raw:
+    if body.raw or body.suffix:  # a suffix asks for the middle: the completion's fill-in-the-middle
+        fim = {"suffix": body.suffix} if body.suffix else {}
         with renamed_params(PARAMS):
-            run = await start_completion(completion_request({"prompt": body.prompt, "stream": stream,
+            run = await start_completion(completion_request({"prompt": body.prompt, "stream": stream, **fim,
                                                              **sampling_fields(body)}), request, state)
         if stream:
             return translated_stream(run.handle, completion_lines(run, name, started), error_line,
