@@ -140,3 +140,27 @@ def test_chat_template_kwargs_reach_the_template_from_python(think_client):
     thinking, _ = llm.encode_chat(MESSAGES)
     plain, _ = llm.encode_chat(MESSAGES, chat_template_kwargs={"enable_thinking": False})
     assert thinking.endswith("<think>\n") and plain.endswith("<think>\n\n</think>\n\n")
+
+
+def test_the_other_apis_carry_the_thinking_apart(think_client):
+    """An unclosed block (the template opens it, the random model never closes it) is all reasoning:
+    Anthropic's answer is one `thinking` block, Responses' a `reasoning` item, Ollama's `thinking`,
+    each holding the chat answer's `reasoning_content`, none of it as text."""
+    chat = think_client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0,
+                                                           "max_tokens": 8}).json()["choices"][0]["message"]
+    assert chat["reasoning_content"] and not chat["content"]
+    model = think_client.get("/v1/models").json()["data"][0]["id"]
+    r = think_client.post("/v1/messages", json={"model": model, "messages": MESSAGES, "max_tokens": 8,
+                                                "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert [b["type"] for b in r.json()["content"]] == ["thinking"]
+    assert r.json()["content"][0]["thinking"] == chat["reasoning_content"]
+    r = think_client.post("/v1/responses", json={"model": model, "input": MESSAGES[0]["content"], "max_output_tokens": 8,
+                                                 "temperature": 0})
+    assert r.status_code == 200, r.text
+    reasoning = [item for item in r.json()["output"] if item["type"] == "reasoning"]
+    assert len(reasoning) == 1 and chat["reasoning_content"] in json.dumps(reasoning[0], ensure_ascii=False)
+    r = think_client.post("/api/chat", json={"model": model, "messages": MESSAGES, "stream": False,
+                                             "options": {"temperature": 0, "num_predict": 8}})
+    assert r.status_code == 200, r.text
+    assert r.json()["message"]["thinking"] == chat["reasoning_content"] and not r.json()["message"]["content"]
