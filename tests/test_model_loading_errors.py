@@ -114,6 +114,16 @@ def expect(exc: type[Exception], path: Path, *fragments: str) -> WallbreakerErro
     return info.value
 
 
+# The peak resident memory of this process's own image (VmHWM). Not getrusage's ru_maxrss: that keeps
+# the largest of every image since fork, so a child forked from a test runner holding gigabytes
+# starts with the runner's figure.
+PEAK_RSS = """
+def peak_rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+"""
+
+
 def bounded_subprocess(code: str, memory_gb: float = 4.0, timeout: float = 120.0) -> str:
     """Run `code` in a fresh interpreter with its address space capped, so that a memory bomb
     fails the test (MemoryError, or a kill) instead of taking the machine down; returns stdout."""
@@ -123,7 +133,8 @@ def bounded_subprocess(code: str, memory_gb: float = 4.0, timeout: float = 120.0
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     tests = str(Path(__file__).parent)
-    result = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {tests!r})\n" + textwrap.dedent(code)],
+    prelude = f"import sys; sys.path.insert(0, {tests!r})\n{PEAK_RSS}\n"
+    result = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
                             capture_output=True, text=True, timeout=timeout, preexec_fn=cap,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -242,7 +253,7 @@ def test_gguf_block_count_memory_bomb(tiny_llama, tmp_path):
         path = GGUFContents.read(tiny_llama.gguf_path).write(tmp_path / f"layers_{value}.gguf",
                                                              {"llama.block_count": u64(value)})
         out = bounded_subprocess(f"""
-            import resource, time
+            import time
             from wallbreaker import LLM
             from wallbreaker.errors import ModelFormatError
             start = time.perf_counter()
@@ -251,7 +262,7 @@ def test_gguf_block_count_memory_bomb(tiny_llama, tmp_path):
             except ModelFormatError as e:
                 print("ModelFormatError", e)
             print("seconds", time.perf_counter() - start)
-            print("maxrss_kb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+            print("maxrss_kb", peak_rss_kb())
         """)
         lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
         assert "block_count" in lines["ModelFormatError"] and str(value) in lines["ModelFormatError"], out
@@ -357,14 +368,13 @@ def test_hf_num_hidden_layers_memory_bomb(tiny_llama, tmp_path):
     folder = _hf_copy(tiny_llama, tmp_path)
     _edit_json(folder / "config.json", lambda c: c.update(num_hidden_layers=2**40))
     out = bounded_subprocess(f"""
-        import resource
         from wallbreaker.formats import open_model
         from wallbreaker.errors import ModelFormatError
         try:
             open_model({str(folder)!r})
         except ModelFormatError as e:
             print(e)
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        print(peak_rss_kb())
     """)
     message, maxrss = out.strip().splitlines()
     assert "num_hidden_layers" in message and str(2**40) in message, out
