@@ -10,10 +10,11 @@ from numbers import Integral, Real
 import torch
 
 from .errors import InvalidRequestError
+from .pooling_params import PoolingConfig
 
 # llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
-HIDDEN_ACTS = ("silu", "gelu_tanh")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert")
+HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
 MAX_SIZE = 2**63
 LAYER_TYPES = ("full", "sliding")
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
@@ -165,6 +166,13 @@ class ModelConfig:
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # pooling models (models/bert.py, layers/pooling.py): how hidden states become an embedding or a
+    # score; None: the model only generates. BERT also has token types (the segment after the first
+    # [SEP], `sep_token_id`, is type 1) and a classifier of `num_labels` outputs (a cross-encoder).
+    pooling: PoolingConfig | None = None
+    type_vocab_size: int = 0
+    sep_token_id: int | None = None
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         """Refuse what no model can be, whichever loader read it: a loader turns the ValueError into

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..pooling_params import PoolingConfig, PoolingParams
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .outputs import CompletionOutput, RequestOutput, StepFailure, StreamDelta
 from .structured_output import Grammar, GrammarError
@@ -26,6 +27,7 @@ class EngineRequest:
     request_id: str | None = None  # None: the engine names it
     cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
     grammar: Grammar | None = None  # `params.structured_outputs` compiled already (off the engine thread)
+    pooling: PoolingParams | None = None  # set: a pooling request (an embedding, a score), run once, nothing generated
 
 
 @dataclass
@@ -58,5 +60,9 @@ class EngineClient(Protocol):
 
     def cached_grammar(self, spec: StructuredOutputsParams) -> Grammar | None: ...
     def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar: ...
+    def check_pooling(self, task: str) -> None: ...
+    def check_pooling_prompt(self, token_ids: list[int]) -> None: ...
+    @property
+    def pooling_config(self) -> PoolingConfig | None: ...
     def live_stats(self) -> dict: ...
     def stats(self) -> dict: ...

@@ -69,6 +69,7 @@ class Sequence:
     acceptance: float = INITIAL_ACCEPTANCE  # moving average of the fraction of drafts accepted
     grammar: "GrammarMatcher | None" = None  # where the output is in its grammar (structured output)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token ids that must not be completed
+    pooling: bool = False  # a pooling request's: computed whole in one step, then finished (nothing sampled)
 
     @property
     def num_tokens(self) -> int:
