@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..errors import ModelFormatError, ModelNotFoundError, WallbreakerError
 from .packaged import DEFAULT_MODEL, PACKAGED_MODELS, packaged_model_path
+from .packaged_folders import PACKAGED_FOLDERS, packaged_folder_path
 from .weights import ModelFiles, WeightRef
 
 
@@ -15,6 +16,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         return packaged_model_path(DEFAULT_MODEL)
     if str(model) in PACKAGED_MODELS:
         return packaged_model_path(str(model))
+    if str(model) in PACKAGED_FOLDERS:
+        return packaged_folder_path(str(model))
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelNotFoundError(f"{path}: no such file or folder")

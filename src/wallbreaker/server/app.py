@@ -22,6 +22,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeReques
 from .responses import ModelCard, ModelList
 from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
+from .serving_embedding import router as pooling_router
 from .static import add_chat_page
 from .state import ServerState
 from .tokenize import detokenize, tokenize
@@ -89,6 +90,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(request, state)
 
+    app.include_router(pooling_router, dependencies=v1)  # /v1/embeddings, /v1/rerank, /rerank, /score, /api/embed
     add_chat_page(app)  # GET / and /static/*: the chat page, never behind the key (it holds no secret)
     return app
 
