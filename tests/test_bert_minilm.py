@@ -88,3 +88,18 @@ def test_packaged_name_finds_the_model(tmp_path, monkeypatch, reference):
     monkeypatch.setenv("WALLBREAKER_CACHE", str(tmp_path))
     llm = LLM("all-minilm-l6-v2", dtype="float32")
     assert _cosines(llm.embed(TEXTS[:3]), reference.encode(TEXTS[:3])).min() >= 0.9999
+
+
+def test_openai_client_embeddings_match_sentence_transformers(minilm, reference):
+    import openai
+    from server_apps import app_client
+    from wallbreaker.server.app import build_app
+    app = build_app(LLM(minilm, dtype="float32"))
+    with app_client(app) as client:
+        api = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=client, max_retries=0)
+        got = api.embeddings.create(model="default", input=TEXTS, extra_body={"truncate_prompt_tokens": -1})
+        alone = [api.embeddings.create(model="default", input=t, extra_body={"truncate_prompt_tokens": -1})
+                 .data[0].embedding for t in TEXTS]
+    ref = reference.encode(TEXTS)
+    assert _cosines([d.embedding for d in got.data], ref).min() >= 0.9999
+    assert _cosines(alone, ref).min() >= 0.9999

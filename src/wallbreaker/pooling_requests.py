@@ -117,10 +117,12 @@ class PoolingRun:
             for rid in ids:
                 self.engine.abort(rid)
             raise
+        mine = set(ids)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids) and self.engine.has_unfinished():
             for output in self.engine.step().finished:
-                done[output.request_id] = output
+                if output.request_id in mine:
+                    done[output.request_id] = output
         return [done[rid] for rid in ids]
 
     def embeddings(self, outputs: list[RequestOutput], params: PoolingParams) -> list[list[float]]:
