@@ -10,7 +10,6 @@ from numbers import Integral, Real
 import torch
 
 from .errors import InvalidRequestError
-from .pooling_params import PoolingConfig
 
 # llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert")
@@ -18,6 +17,8 @@ HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
 MAX_SIZE = 2**63
 LAYER_TYPES = ("full", "sliding")
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
+POOLING_METHODS = ("mean", "cls", "last")
+POOLING_TASKS = ("embed", "score")
 
 
 class ConfigError(ValueError):
@@ -119,6 +120,27 @@ class RopeScaling:
                                                   f"values, got {len(values)}")
             for v in values:
                 _positive_float(f"rope_scaling.{name}", v)
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """How the model pools. `method`: mean over the tokens, the first ([CLS]) token, or the last
+    (decoder embedding models). `normalize`: embeddings come out with unit L2 norm (sentence-
+    transformers' `Normalize` module). `task`: "embed" (the pooled hidden state is the embedding)
+    or "score" (a classifier head on it gives `num_labels` logits: a cross-encoder). `yes_no_ids`:
+    a decoder reranker (Qwen3-Reranker) whose score is P(yes) from the LM head's logits of
+    the two tokens (no, yes) at the last position."""
+
+    method: str
+    normalize: bool = False
+    task: str = "embed"
+    yes_no_ids: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in POOLING_METHODS:
+            raise ValueError(f"pooling method must be one of {', '.join(POOLING_METHODS)}, got {self.method!r}")
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"pooling task must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
 
 
 @dataclass(frozen=True)

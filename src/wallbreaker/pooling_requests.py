@@ -17,7 +17,8 @@ from .engine.client import EngineClient, EngineRequest, RequestOutput
 from .errors import InvalidRequestError
 from .formats.tokenizer import Tokenizer
 from .layers.pooling import finish_embedding, finish_score
-from .pooling_params import PoolingConfig, PoolingParams
+from .config import PoolingConfig
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
 _POOLING_SAMPLING = SamplingParams(max_tokens=1)  # carried, never read: nothing is sampled

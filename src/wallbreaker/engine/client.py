@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..pooling_params import PoolingConfig, PoolingParams
+from ..config import PoolingConfig
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .outputs import CompletionOutput, RequestOutput, StepFailure, StreamDelta
 from .structured_output import Grammar, GrammarError

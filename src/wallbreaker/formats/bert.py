@@ -5,15 +5,18 @@ llama.cpp's converter writes `bert`. Tensors take llama.cpp's names (`token_embd
 `cls.pooler` and `cls.output`."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, ModelConfig, short_repr
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..pooling_params import PoolingConfig
+from ..config import PoolingConfig
 from .chat_template import ChatTemplate
-from .gguf_file import GGUFFile
+from .dequant import dequantize
+from .gguf_file import GGUFFile, GGUFTensor
+from .gguf_slice import block_loaders, part_loader
 from .sentence_transformers import read_pooling_config
 from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef
@@ -60,13 +63,22 @@ def _config(where: str, **fields: Any) -> ModelConfig:
         raise ModelFormatError(f"{where}: {e}") from None
 
 
-def read_bert_folder(path: Path, hf: dict[str, Any]) -> ModelFiles:
+def is_bert_folder(path: Path) -> bool:
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # hf_model names what is wrong with it
+    return isinstance(hf, dict) and hf.get("model_type") == "bert"
+
+
+def read_bert_folder(path: Path) -> ModelFiles:
     """A Hugging Face BERT folder. Its limit is the smaller of `max_position_embeddings` and
     sentence-transformers' `max_seq_length` (what the model was trained to, and where
     sentence-transformers cuts)."""
     from .hf_model import _safetensors_handles, _tensor_ref
 
     where = f"{path}/config.json"
+    hf = json.loads((path / "config.json").read_text())
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise UnsupportedModelError(f"{where}: position_embedding_type {short_repr(hf['position_embedding_type'])} "
                                     "is not supported (absolute only)")
@@ -147,8 +159,6 @@ def read_bert_gguf(gf: GGUFFile) -> ModelFiles:
     """llama.cpp's `bert` GGUF: its keys, its WordPiece vocabulary in "phantom space" form (a word's
     first piece written with a leading U+2581, a continuation bare, control tokens as they are),
     turned back into the tokenizer BERT's own folder has."""
-    from .gguf_model import _weight_ref
-
     label = gf.path.name
 
     def key(name: str, default: Any = None) -> Any:
@@ -169,10 +179,18 @@ def read_bert_gguf(gf: GGUFFile) -> ModelFiles:
                      pooling=PoolingConfig(_GGUF_POOLING[pooling_type], normalize=True),
                      type_vocab_size=types.shape[0] if types is not None else 0,
                      sep_token_id=tokenizer.eos_token_id)
-    weights = {name: _weight_ref(t, config) for name, t in gf.tensors.items()}
+    weights = {name: _gguf_weight(t) for name, t in gf.tensors.items()}
     _check_weights(label, config, weights, False)
     check_token_ids(tokenizer, weights["token_embd.weight"].shape[0], label, "token_embd.weight")
     return ModelFiles(gf.path, "gguf", config, weights, tokenizer, ChatTemplate(None, None, None), gf.metadata)
+
+
+def _gguf_weight(t: GGUFTensor) -> WeightRef:
+    """A bert tensor as stored (no row permutation: that is llama's alone), its blocks for the kernels."""
+    blocks, blocks_part = block_loaders(t, None)
+    return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), lambda: dequantize(t.raw, t.ggml_type, t.shape),
+                     raw=t.raw, load_part=part_loader(t, None), blocks=blocks, blocks_part=blocks_part,
+                     blocks_mapped=blocks is not None)
 
 
 def gguf_wordpiece_tokenizer(metadata: dict[str, Any], label: str) -> Tokenizer:

@@ -38,9 +38,6 @@ def read_hf_folder(path: Path) -> ModelFiles:
         if not isinstance(hf["text_config"], dict):
             raise ModelFormatError(f"{cfg_path}: text_config is not a JSON object")
         hf = {**hf["text_config"], "model_type": "gemma3_text"}
-    if hf.get("model_type") == "bert":
-        from .bert import read_bert_folder
-        return read_bert_folder(path, hf)
     config = config_from_hf(hf, path)
     config = with_pooling(config, path)
     handles = _safetensors_handles(path)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..pooling_params import PoolingConfig
+from ..config import PoolingConfig
 
 _MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 _UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")

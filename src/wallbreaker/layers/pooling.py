@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..pooling_params import PoolingConfig, PoolingParams
+from ..config import PoolingConfig
+from ..pooling_params import PoolingParams
 
 
 def pool_rows(hidden: torch.Tensor, method: str) -> torch.Tensor:
