@@ -6,7 +6,8 @@ LayerNorm. It only pools (layers/pooling.py): an embedding (mean / CLS) or, with
 It runs through the engine like any model, as prefill-only sequences that the scheduler admits
 whole and frees in the step that computes them, but it does not use the paged KV cache:
 bidirectional attention has no use for one (every token attends to every other token of the same
-step, and no later token ever comes). Each sequence's attention is one SDPA over its own rows.
+step, and no later token ever comes). Each sequence's attention is one SDPA over its own rows. On the `auto` path its
+quantized linear layers take bfloat16 matmuls for wide batches (layers/wide_linear.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
 from ..layers.pooling import Pooler
+from ..layers.wide_linear import for_wide_batches
 from .source import WeightSource
 
 
@@ -44,11 +46,12 @@ class EncoderLayer(nn.Module):
         super().__init__()
         p = f"blk.{layer}."
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = src.linear([p + f"attn_{x}.weight" for x in "qkv"], [p + f"attn_{x}.bias" for x in "qkv"])
-        self.o = src.linear([p + "attn_output.weight"], [p + "attn_output.bias"])
+        self.qkv = for_wide_batches(src.linear([p + f"attn_{x}.weight" for x in "qkv"],
+                                               [p + f"attn_{x}.bias" for x in "qkv"]))
+        self.o = for_wide_batches(src.linear([p + "attn_output.weight"], [p + "attn_output.bias"]))
         self.attn_norm = LayerNorm(src, p + "attn_output_norm", cfg.rms_norm_eps)
-        self.up = src.linear([p + "ffn_up.weight"], [p + "ffn_up.bias"])
-        self.down = src.linear([p + "ffn_down.weight"], [p + "ffn_down.bias"])
+        self.up = for_wide_batches(src.linear([p + "ffn_up.weight"], [p + "ffn_up.bias"]))
+        self.down = for_wide_batches(src.linear([p + "ffn_down.weight"], [p + "ffn_down.bias"]))
         self.out_norm = LayerNorm(src, p + "layer_output_norm", cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
