@@ -127,14 +127,11 @@ class PoolingConfig:
     """How the model pools. `method`: mean over the tokens, the first ([CLS]) token, or the last
     (decoder embedding models). `normalize`: embeddings come out with unit L2 norm (sentence-
     transformers' `Normalize` module). `task`: "embed" (the pooled hidden state is the embedding)
-    or "score" (a classifier head on it gives `num_labels` logits: a cross-encoder). `yes_no_ids`:
-    a decoder reranker (Qwen3-Reranker) whose score is P(yes) from the LM head's logits of
-    the two tokens (no, yes) at the last position."""
+    or "score" (a classifier head on it gives `num_labels` logits: a cross-encoder)."""
 
     method: str
     normalize: bool = False
     task: str = "embed"
-    yes_no_ids: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in POOLING_METHODS:

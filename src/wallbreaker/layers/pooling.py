@@ -26,8 +26,7 @@ def pool_rows(hidden: torch.Tensor, method: str) -> torch.Tensor:
 
 class Pooler(nn.Module):
     """The model's pooling, and the head after it where the model has one: a classifier
-    (`head`, hidden -> num_labels logits) or, for a decoder reranker, the LM head's logits of the
-    (no, yes) tokens."""
+    (`head`, hidden -> num_labels logits)."""
 
     def __init__(self, config: PoolingConfig, head: nn.Module | None = None):
         super().__init__()
@@ -44,18 +43,6 @@ class Pooler(nn.Module):
         return list(pooled)
 
 
-class YesNoHead(nn.Module):
-    """A decoder reranker's head (Qwen3-Reranker): the LM head's logits of the "no" and "yes" tokens."""
-
-    def __init__(self, lm_head: nn.Module, no_id: int, yes_id: int):
-        super().__init__()
-        self.lm_head = lm_head
-        self.ids = torch.tensor([no_id, yes_id])
-
-    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(pooled).float()[:, self.ids]  # [N, 2]
-
-
 def finish_embedding(vector: torch.Tensor, config: PoolingConfig, params: PoolingParams) -> list[float]:
     """The pooled vector as the request wants it: cut to `dimensions` (Matryoshka), then normalized
     where the model normalizes (or the request says so)."""
@@ -69,17 +56,8 @@ def finish_embedding(vector: torch.Tensor, config: PoolingConfig, params: Poolin
 
 def finish_score(logits: torch.Tensor, config: PoolingConfig) -> float:
     """A cross-encoder's relevance in [0, 1]: the sigmoid of its one logit (sentence-transformers'
-    CrossEncoder and vLLM's /score do the same), the softmax's P(yes) of a yes/no reranker."""
-    if config.yes_no_ids is not None:
-        return float(torch.softmax(logits.float(), dim=-1)[1])
+    CrossEncoder and vLLM's /score do the same); with more labels, the last label's probability."""
     if logits.numel() == 1:
         return float(torch.sigmoid(logits.float()).reshape(()))
     return float(torch.softmax(logits.float(), dim=-1)[-1])  # the last label's probability
 
-
-def decoder_pooler(config: PoolingConfig, model: nn.Module) -> Pooler:
-    """A decoder's pooling: its final hidden states as they are (Qwen3-Embedding), or a yes/no
-    reranker's head over the last one."""
-    if config.yes_no_ids is not None:
-        return Pooler(config, YesNoHead(model.lm_head, *config.yes_no_ids))
-    return Pooler(config)

@@ -22,9 +22,9 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
 
 def build_model(config: ModelConfig, source: WeightSource) -> CausalLM:
     model = _ARCHITECTURES[config.architecture](config, source).eval()
-    if config.pooling is not None and getattr(model, "pooler", None) is None:
-        from ..layers.pooling import decoder_pooler
-        model.pooler = decoder_pooler(config.pooling, model)
+    if config.pooling is not None and getattr(model, "pooler", None) is None:  # a decoder embedding model
+        from ..layers.pooling import Pooler
+        model.pooler = Pooler(config.pooling)
     return model
 
 
