@@ -138,6 +138,8 @@ def _check_weights(source: str, cfg: ModelConfig, weights: dict[str, WeightRef],
             expected[p + x + ".bias"] = (h,)
         expected.update({p + "ffn_up.weight": (ff, h), p + "ffn_up.bias": (ff,),
                          p + "ffn_down.weight": (h, ff), p + "ffn_down.bias": (h,)})
+    if cfg.type_vocab_size:
+        expected["token_types.weight"] = (cfg.type_vocab_size, h)
     if classifier:
         expected.update({"cls.pooler.weight": (h, h), "cls.pooler.bias": (h,),
                          "cls.output.weight": (cfg.num_labels, h), "cls.output.bias": (cfg.num_labels,)})
@@ -150,15 +152,14 @@ def _check_weights(source: str, cfg: ModelConfig, weights: dict[str, WeightRef],
     if weights["position_embd.weight"].shape[0] < cfg.max_position_embeddings:
         raise ModelFormatError(f"{source}: position_embd has {weights['position_embd.weight'].shape[0]} rows, "
                                f"fewer than the context ({cfg.max_position_embeddings})")
-    types = weights.get("token_types.weight")
-    if types is not None and types.shape[1:] != (h,):
-        raise ModelFormatError(f"{source}: token_types has shape {list(types.shape)}")
 
 
 def read_bert_gguf(gf: GGUFFile) -> ModelFiles:
     """llama.cpp's `bert` GGUF: its keys, its WordPiece vocabulary in "phantom space" form (a word's
     first piece written with a leading U+2581, a continuation bare, control tokens as they are),
-    turned back into the tokenizer BERT's own folder has."""
+    turned back into the tokenizer BERT's own folder has. The file does not say whether the
+    embeddings are normalized (sentence-transformers' Normalize module is not converted); they are,
+    as llama.cpp's embedding server normalizes them by default."""
     label = gf.path.name
 
     def key(name: str, default: Any = None) -> Any:
