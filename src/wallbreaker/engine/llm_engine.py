@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from ..config import PoolingConfig
 from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..layers.sampler import sample, top_logprobs
@@ -146,7 +147,7 @@ class LLMEngine:
         return request_id
 
     @property
-    def pooling_config(self):
+    def pooling_config(self) -> PoolingConfig | None:
         """The model's `PoolingConfig`, or None where it only generates."""
         pooler = getattr(self.runner.model, "pooler", None)
         return None if pooler is None else pooler.config
@@ -386,7 +387,8 @@ class LLMEngine:
         for seq in sorted(request.seqs, key=lambda s: s.index):
             want_logprobs = seq.params.logprobs is not None
             outputs.append(CompletionOutput(
-                index=seq.index, text=seq.detokenizer.text() if seq.detokenizer is not None else "", token_ids=list(seq.output_token_ids),
+                index=seq.index, text=seq.detokenizer.text() if seq.detokenizer is not None else "",
+                token_ids=list(seq.output_token_ids),
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 cumulative_logprob=float(sum(seq.logprobs)),
                 logprobs=list(seq.logprobs) if want_logprobs else None,

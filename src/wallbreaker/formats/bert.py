@@ -175,7 +175,8 @@ def read_bert_gguf(gf: GGUFFile) -> ModelFiles:
     types = gf.tensors.get("token_types.weight")
     config = _config(label, vocab_size=len(gf.get("tokenizer.ggml.tokens") or ()), hidden_size=key("embedding_length"),
                      intermediate_size=key("feed_forward_length"), num_layers=key("block_count"),
-                     num_heads=key("attention.head_count"), rms_norm_eps=float(key("attention.layer_norm_epsilon", 1e-12)),
+                     num_heads=key("attention.head_count"),
+                     rms_norm_eps=float(key("attention.layer_norm_epsilon", 1e-12)),
                      max_position_embeddings=key("context_length", 512), hidden_act="gelu",
                      pooling=PoolingConfig(_GGUF_POOLING[pooling_type], normalize=True),
                      type_vocab_size=types.shape[0] if types is not None else 0,
