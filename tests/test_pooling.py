@@ -106,3 +106,26 @@ def test_truncation_keeps_the_models_special_tokens(tiny_bert_embedding):
     ids = input_ids(llm.tokenizer, "the cat sat on the mat " * 3, 6)
     full = llm.tokenizer.encode("the cat sat on the mat " * 3)
     assert ids == full[:5] + full[-1:] and ids[0] == llm.tokenizer.bos_token_id
+
+
+def test_inputs_are_tokenized_with_the_post_processor_as_sentence_transformers_does(tiny_qwen3_embedding, tmp_path):
+    """Qwen3-Embedding's tokenizer.json appends <|endoftext|> in its post-processor (not the EOS
+    its tokenizer_config names): the embedding is that token's hidden state."""
+    import json
+    import shutil
+
+    from tiny_models import BOS
+    from tokenizers import Tokenizer as HFTokenizer, processors
+    folder = tmp_path / "appends"
+    shutil.copytree(tiny_qwen3_embedding, folder)
+    tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {BOS}", special_tokens=[(BOS, tok.token_to_id(BOS))])
+    tok.save(str(folder / "tokenizer.json"))
+    llm = LLM(folder, dtype="float32", max_model_len=64)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = tok.encode(TEXTS[1]).ids
+    assert ids[-1] == tok.token_to_id(BOS) and json.loads((folder / "modules.json").read_text())
+    with torch.no_grad():
+        ref = F.normalize(model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+    torch.testing.assert_close(torch.tensor(llm.embed(TEXTS[1])[0]), ref, atol=1e-4, rtol=0)

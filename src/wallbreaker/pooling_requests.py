@@ -37,11 +37,15 @@ def truncation_limit(truncate_prompt_tokens: int | None, max_model_len: int) -> 
     return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
-def _specials(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, int]:
-    """How many of `ids`' first and last tokens the tokenizer added ([CLS], [SEP], BOS, EOS)."""
-    head = int(tokenizer.add_bos and ids[:1] == [tokenizer.bos_token_id])
-    tail = int(tokenizer.add_eos and len(ids) > head and ids[-1] == tokenizer.eos_token_id)
-    return head, tail
+def _encode_with_template(tokenizer: Tokenizer, text: str) -> tuple[list[int], int, int]:
+    """(ids, leading special tokens, trailing special tokens) as the model's tokenizer.json encodes
+    the text, its post-processor included, as sentence-transformers does: Qwen3-Embedding's
+    appends <|endoftext|>, which is not the EOS its tokenizer_config names."""
+    enc = tokenizer.backend.encode(text, add_special_tokens=True)
+    mask = enc.special_tokens_mask
+    head = next((i for i, m in enumerate(mask) if not m), len(mask))
+    tail = next((i for i, m in enumerate(reversed(mask)) if not m), 0)
+    return list(enc.ids), head, tail
 
 
 def _cut(ids: list[int], limit: int, head: int, tail: int) -> list[int]:
@@ -57,8 +61,7 @@ def input_ids(tokenizer: Tokenizer, text: str | list[int], limit: int | None) ->
     if isinstance(text, str):
         if not text:
             raise InvalidRequestError("an input is an empty string")
-        ids = tokenizer.encode(text)
-        head, tail = _specials(tokenizer, ids)
+        ids, head, tail = _encode_with_template(tokenizer, text)
     elif isinstance(text, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
         ids, head, tail = list(text), 0, 0
     else:

@@ -215,7 +215,7 @@ def gguf_wordpiece_tokenizer(metadata: dict[str, Any], label: str) -> Tokenizer:
     backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
                                                     lowercase=lowercase)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    from tokenizers import AddedToken, decoders
+    from tokenizers import AddedToken, decoders, processors
     backend.decoder = decoders.WordPiece()
     backend.add_special_tokens([AddedToken(t, special=True) for t, k in zip(tokens, kinds) if k == 3])
     cls = metadata.get("tokenizer.ggml.bos_token_id")
@@ -223,5 +223,9 @@ def gguf_wordpiece_tokenizer(metadata: dict[str, Any], label: str) -> Tokenizer:
     if not (isinstance(cls, int) and isinstance(sep, int) and 0 <= cls < len(tokens) and 0 <= sep < len(tokens)):
         raise ModelFormatError(f"{label}: a bert vocabulary needs tokenizer.ggml.bos_token_id ([CLS]) and "
                                "seperator_token_id ([SEP])")
+    cls_text, sep_text = tokens[cls], tokens[sep]
+    backend.post_processor = processors.TemplateProcessing(single=f"{cls_text} $A {sep_text}",
+                                                           pair=f"{cls_text} $A {sep_text} $B:1 {sep_text}:1",
+                                                           special_tokens=[(cls_text, cls), (sep_text, sep)])
     return Tokenizer(backend, bos_token_id=cls, eos_token_id=sep, add_bos=True, add_eos=True, byte_level=False,
                      vocab_size=len(tokens))
