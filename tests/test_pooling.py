@@ -129,3 +129,20 @@ def test_inputs_are_tokenized_with_the_post_processor_as_sentence_transformers_d
     with torch.no_grad():
         ref = F.normalize(model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
     torch.testing.assert_close(torch.tensor(llm.embed(TEXTS[1])[0]), ref, atol=1e-4, rtol=0)
+
+
+def test_a_long_embedding_request_is_not_held_back_by_running_generation(qwen3_embed):
+    """The step's budget (64 tokens) minus the decoding sequences' tokens is less than the prompt:
+    it runs whole beside them in the next step, not after they finish."""
+    engine = qwen3_embed.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(EngineRequest(qwen3_embed.tokenizer.encode(TEXTS[1]), greedy, None, f"g{i}"))
+    engine.step()  # the three prompts
+    engine.add_request(EngineRequest(list(range(5, 5 + 63)), SamplingParams(max_tokens=1), request_id="long",
+                                     pooling=PoolingParams()))
+    result = engine.step()
+    assert "long" in [o.request_id for o in result.finished]
+    assert {d.request_id for d in result.deltas} >= {"g0", "g1", "g2"}
+    while engine.has_unfinished():
+        engine.step()

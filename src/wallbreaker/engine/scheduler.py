@@ -111,11 +111,14 @@ class Scheduler:
                 batch.add(seq, n, self.block_manager.append_slots(seq, n))
                 budget -= n
                 i += 1
+        admitted = False
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             first_admission = seq.num_output_tokens == 0 and seq.first_token_time is None
-            if seq.pooling:  # whole, never from the prefix cache (every position's hidden state is needed),
-                if seq.num_tokens > budget and batch.seqs:  # alone where it is longer than a step's budget
+            if seq.pooling:  # whole, never from the prefix cache (every position's hidden state is needed);
+                # past the budget only as the step's first admission: beside the running sequences' own
+                # tokens, never behind them for ever, and never holding back the queue
+                if seq.num_tokens > budget and admitted:
                     break
                 n = self.block_manager.allocate_prompt(seq, seq.num_tokens, reuse_prefix=False)
             else:
@@ -129,6 +132,7 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+            admitted = True
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
