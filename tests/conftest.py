@@ -73,3 +73,37 @@ def packaged_model() -> Callable[[str], Path]:
         except ModelNotFoundError as e:
             pytest.skip(str(e))
     return get
+
+
+# -- pooling models (tests/tiny_pooling_models.py) ------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_bert_embedding(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_pooling_models import make_tiny_bert
+    return make_tiny_bert(tmp_path_factory.mktemp("tiny_bert_embed"), cross_encoder=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_pooling_models import make_tiny_bert
+    return make_tiny_bert(tmp_path_factory.mktemp("tiny_bert_cross"), cross_encoder=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_embedding(tiny_qwen3, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_pooling_models import make_tiny_qwen3_embedding
+    return make_tiny_qwen3_embedding(tiny_qwen3, tmp_path_factory.mktemp("tiny_qwen3_embed") / "hf")
+
+
+@pytest.fixture(scope="session")
+def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2's folder, or skip naming the install command."""
+    from tiny_pooling_models import minilm_folder
+    return minilm_folder(tmp_path_factory.mktemp("minilm"))
+
+
+@pytest.fixture(scope="session")
+def llamacpp_converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py folder (tests/llamacpp_converter.py), or skip naming the fetch command."""
+    from llamacpp_converter import converter_dir
+    from wallbreaker.formats.packaged import cache_dir
+    return converter_dir(cache_dir())

@@ -158,6 +158,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("embed")
+def cmd_embed(args: argparse.Namespace) -> int:
+    """One JSON line a text: {"index", "text", "embedding"}; with --query, the texts reranked instead:
+    {"index", "relevance_score", "text"} best first. Texts from stdin, one a line, with "-"."""
+    texts = [line.rstrip("\n") for line in sys.stdin] if args.texts == ["-"] else args.texts
+    llm = load_llm(args)
+    if args.query is not None:
+        for r in llm.rerank(args.query, texts, truncate_prompt_tokens=args.truncate_prompt_tokens):
+            print(json.dumps({"index": r["index"], "relevance_score": r["relevance_score"], "text": r["document"]},
+                             ensure_ascii=False))
+        return 0
+    vectors = llm.embed(texts, dimensions=args.dimensions, truncate_prompt_tokens=args.truncate_prompt_tokens)
+    for i, (text, vector) in enumerate(zip(texts, vectors)):
+        print(json.dumps({"index": i, "text": text, "embedding": vector}, ensure_ascii=False))
+    return 0
+
+
 @command("chat")
 def cmd_chat(args: argparse.Namespace) -> int:
     llm = load_llm(args)
@@ -270,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(p, max_tokens=64)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("prompts", nargs="+")
+
+    p = sub.add_parser("embed", help="embeddings of texts (or, with --query, the texts reranked), JSON lines")
+    add_engine_flags(p)
+    p.add_argument("--dimensions", type=int, default=None, help="keep the first N values (Matryoshka), renormalized")
+    p.add_argument("--truncate-prompt-tokens", type=int, default=None,
+                   help="cut longer texts to N tokens (-1: the model's limit); default: a longer text is an error")
+    p.add_argument("--query", default=None, help="rerank the texts by relevance to this query")
+    p.add_argument("texts", nargs="+", help='texts, or "-" to read one a line from stdin')
 
     p = sub.add_parser("chat", help="interactive chat, tokens streamed as they come")
     add_engine_flags(p)

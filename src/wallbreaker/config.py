@@ -12,11 +12,13 @@ import torch
 from .errors import InvalidRequestError
 
 # llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
-HIDDEN_ACTS = ("silu", "gelu_tanh")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert")
+HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
 MAX_SIZE = 2**63
 LAYER_TYPES = ("full", "sliding")
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
+POOLING_METHODS = ("mean", "cls", "last")
+POOLING_TASKS = ("embed", "score")
 
 
 class ConfigError(ValueError):
@@ -121,6 +123,24 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class PoolingConfig:
+    """How the model pools. `method`: mean over the tokens, the first ([CLS]) token, or the last
+    (decoder embedding models). `normalize`: embeddings come out with unit L2 norm (sentence-
+    transformers' `Normalize` module). `task`: "embed" (the pooled hidden state is the embedding)
+    or "score" (a classifier head on it gives `num_labels` logits: a cross-encoder)."""
+
+    method: str
+    normalize: bool = False
+    task: str = "embed"
+
+    def __post_init__(self) -> None:
+        if self.method not in POOLING_METHODS:
+            raise ValueError(f"pooling method must be one of {', '.join(POOLING_METHODS)}, got {self.method!r}")
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"pooling task must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What a model *is*, independent of the file it came from.
 
@@ -165,6 +185,13 @@ class ModelConfig:
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # pooling models (models/bert.py, layers/pooling.py): how hidden states become an embedding or a
+    # score; None: the model only generates. BERT also has token types (the segment after the first
+    # [SEP], `sep_token_id`, is type 1) and a classifier of `num_labels` outputs (a cross-encoder).
+    pooling: PoolingConfig | None = None
+    type_vocab_size: int = 0
+    sep_token_id: int | None = None
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         """Refuse what no model can be, whichever loader read it: a loader turns the ValueError into

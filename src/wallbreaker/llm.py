@@ -32,6 +32,8 @@ from .kv.sessions import SessionInfo, SessionStore
 from .layers.linear import mapped_bytes, module_bytes
 from .layers.shard import check_splittable
 from .models import load_model
+from .pooling_params import PoolingParams
+from .pooling_requests import PoolingRun, input_ids, relevance_requests, score_pairs, truncation_limit
 from .sampling_params import SamplingParams
 from .spec_decode.draft import DraftProposer, check_vocabularies
 from .spec_decode.speculator import Speculator
@@ -86,6 +88,8 @@ class LLM:
         max_len = self._fit_context(max_len, num_blocks * bs)
         self.max_model_len = max_len
         vocab_limit = self.tokenizer.vocab_size
+        if files.config.pooling is not None and self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError("pooling models (embeddings, rerankers) run without tensor parallelism")
         if self.config.tensor_parallel_size == 1:
             self.model = load_model(files, self.config, device)
             self.kv_cache = make_kv_cache(files.config, self.config, num_blocks, device)
@@ -355,3 +359,45 @@ class LLM:
         the next prompt that starts with its tokens computes only the rest. `InvalidRequestError`
         naming the difference when the session was saved by another model or other settings."""
         return self.engine.load_session(name)[0]
+
+    # -- pooling models: embeddings, scores, reranking --------------------------------------------
+    @property
+    def pooling(self) -> PoolingRun:
+        return PoolingRun(self.engine, self.tokenizer, self.model_config.hidden_size)
+
+    def _pool(self, requests) -> list[RequestOutput]:
+        outputs = self.pooling.run(requests)
+        failed = [o.failure for o in outputs if o.failure is not None]
+        if failed:
+            _raise_step_failure(failed, len(outputs))
+        return outputs
+
+    def embed(self, texts: str | list[int] | Seq[str | list[int]], *, dimensions: int | None = None,
+              normalize: bool | None = None, truncate_prompt_tokens: int | None = None) -> list[list[float]]:
+        """One embedding a text (or list of token ids), as the model's pooling config makes it
+        (normalized where it says so). `dimensions`: the first this many values (Matryoshka),
+        normalized again. An input past the model's limit is an error unless `truncate_prompt_tokens`
+        (a count, or -1 for the limit) asks to cut it."""
+        items = as_prompt_list(texts)
+        limit = truncation_limit(truncate_prompt_tokens, self.max_model_len)
+        params = PoolingParams("embed", dimensions, normalize)
+        run = self.pooling
+        outputs = self._pool(run.requests([input_ids(self.tokenizer, t, limit) for t in items], params))
+        return run.embeddings(outputs, params)
+
+    def score(self, text_1: str | Seq[str], text_2: str | Seq[str], *,
+              truncate_prompt_tokens: int | None = None) -> list[float]:
+        """Relevance of each pair (vLLM's `LLM.score`: one to one, one to many, many to many): a
+        cross-encoder's sigmoid score, or an embedding model's cosine similarity."""
+        limit = truncation_limit(truncate_prompt_tokens, self.max_model_len)
+        requests, finish = relevance_requests(self.pooling, score_pairs(text_1, text_2), limit)
+        return finish(self._pool(requests))
+
+    def rerank(self, query: str, documents: Seq[str], *, top_n: int | None = None,
+               truncate_prompt_tokens: int | None = None) -> list[dict]:
+        """The documents by relevance to the query, best first: `{"index", "relevance_score",
+        "document"}` each (the shape of /v1/rerank's results), the first `top_n` of them."""
+        documents = list(documents)
+        scores = self.score(query, documents, truncate_prompt_tokens=truncate_prompt_tokens) if documents else []
+        ranked = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n]
+        return [{"index": i, "relevance_score": scores[i], "document": documents[i]} for i in ranked]

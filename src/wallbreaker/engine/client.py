@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..kv.sessions import SessionInfo, SessionNotFoundError, check_session_name
+from ..config import PoolingConfig
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .outputs import CompletionOutput, RequestOutput, StepFailure, StreamDelta
 from .structured_output import Grammar, GrammarError
@@ -27,6 +29,7 @@ class EngineRequest:
     request_id: str | None = None  # None: the engine names it
     cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
     grammar: Grammar | None = None  # `params.structured_outputs` compiled already (off the engine thread)
+    pooling: PoolingParams | None = None  # set: a pooling request (an embedding, a score), run once, nothing generated
 
 
 @dataclass
@@ -59,6 +62,10 @@ class EngineClient(Protocol):
 
     def cached_grammar(self, spec: StructuredOutputsParams) -> Grammar | None: ...
     def compile_grammar(self, spec: StructuredOutputsParams) -> Grammar: ...
+    def check_pooling(self, task: str) -> None: ...
+    def check_pooling_prompt(self, token_ids: list[int]) -> None: ...
+    @property
+    def pooling_config(self) -> PoolingConfig | None: ...
     def live_stats(self) -> dict: ...
     def stats(self) -> dict: ...
 

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from ..config import PoolingConfig
 from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..kv.sessions import SessionInfo, SessionStore
@@ -54,6 +55,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     failure: StepFailure | None = None
+    pooled: torch.Tensor | None = None  # a pooling request's vector, once computed
 
     @property
     def finished(self) -> bool:
@@ -102,6 +104,11 @@ class LLMEngine:
         params = request.params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request.pooling is not None:
+            return self._add_pooling_request(request)
+        if not getattr(self.runner.model, "can_generate", True):
+            raise InvalidRequestError("this model cannot generate text: it is an encoder that only pools "
+                                      "(use embeddings, score or rerank)")
         self.check_prompt(request.prompt_token_ids, params.max_tokens)
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = next((t for t in ids if t >= self.vocab_limit), None)
@@ -127,6 +134,52 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.counters["prompt_tokens"] += len(prompt_ids)
         return request_id
+
+    def _add_pooling_request(self, request: EngineRequest) -> str:
+        """A prompt run once, whole, for its pooled vector: one sequence that the step computing it
+        finishes (its pages freed in that step); nothing is sampled."""
+        self.check_pooling(request.pooling.task)
+        self.check_pooling_prompt(request.prompt_token_ids)
+        request_id = request.request_id if request.request_id is not None else str(next(self._request_ids))
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = list(request.prompt_token_ids)
+        state = Request(request_id, request.prompt, prompt_ids, SamplingParams(max_tokens=1))
+        seq = Sequence(next(self._seq_ids), request_id, 0, list(prompt_ids), len(prompt_ids), state.params, None,
+                       arrival_time=state.arrival_time, pooling=True)
+        state.seqs.append(seq)
+        self._requests[request_id] = state
+        self.scheduler.add(seq)
+        self.counters["prompt_tokens"] += len(prompt_ids)
+        return request_id
+
+    @property
+    def pooling_config(self) -> PoolingConfig | None:
+        """The model's `PoolingConfig`, or None where it only generates."""
+        pooler = getattr(self.runner.model, "pooler", None)
+        return None if pooler is None else pooler.config
+
+    def check_pooling(self, task: str) -> None:
+        """Raises `InvalidRequestError` unless the model pools for `task` ("embed" or "score")."""
+        config = self.pooling_config
+        if config is None:
+            raise InvalidRequestError("this model cannot pool: it is a generation model without a pooling config "
+                                      "(an embedding model ships sentence-transformers' modules.json and "
+                                      "1_Pooling/config.json, or a GGUF bert.pooling_type)")
+        if config.task != task:
+            what = {"embed": "an embedding model", "score": "a cross-encoder (it scores pairs)"}[config.task]
+            raise InvalidRequestError(f"this model is {what}; it does not serve '{task}' requests")
+
+    def check_pooling_prompt(self, token_ids: list[int]) -> None:
+        """A pooling prompt may fill the whole context (no token is left to generate)."""
+        if not isinstance(token_ids, list) or not token_ids:
+            raise InvalidRequestError("the input is empty" if isinstance(token_ids, list)
+                                      else "the input's token ids must be a list")
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(f"the input has {len(token_ids)} tokens, more than this model's limit of "
+                                      f"{self.max_model_len} tokens (max_model_len); shorten it or ask for "
+                                      f"truncation with truncate_prompt_tokens")
+        self.check_token_ids(token_ids)
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None = None) -> None:
         """Raises `InvalidRequestError` (its `param` naming the field at fault) for a prompt the engine
@@ -202,7 +255,7 @@ class LLMEngine:
         with using_threads(threads):  # the whole step: sampling forks and joins too
             start = time.perf_counter()
             try:
-                sampling_seqs, logits = self.runner.run(batch)
+                sampling_seqs, logits, pooled = self.runner.run_step(batch)
             except WorkerFailedError:
                 raise
             except Exception as error:
@@ -212,6 +265,9 @@ class LLMEngine:
                 if decode_only and self.speculator is not None:
                     self.speculator.record_step(batch, time.perf_counter() - start)
                 output = self._decide(sampling_seqs, logits)
+                for seq, vector in pooled:
+                    self._requests[seq.request_id].pooled = vector
+                    output.pooled.append(seq)
             deltas = self.scheduler.update_from_output(batch, output)
         if decode_only and output.computed and self.governor is not None:
             self.governor.record(time.perf_counter() - start)
@@ -340,13 +396,14 @@ class LLMEngine:
         for seq in sorted(request.seqs, key=lambda s: s.index):
             want_logprobs = seq.params.logprobs is not None
             outputs.append(CompletionOutput(
-                index=seq.index, text=seq.detokenizer.text(), token_ids=list(seq.output_token_ids),
+                index=seq.index, text=seq.detokenizer.text() if seq.detokenizer is not None else "",
+                token_ids=list(seq.output_token_ids),
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 cumulative_logprob=float(sum(seq.logprobs)),
                 logprobs=list(seq.logprobs) if want_logprobs else None,
                 top_logprobs=list(seq.top_logprobs) if want_logprobs else None))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,
-                             self._metrics(request), request.failure)
+                             self._metrics(request), request.failure, request.pooled)
 
     def _metrics(self, request: Request) -> dict:
         seqs = request.seqs

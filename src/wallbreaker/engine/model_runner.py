@@ -40,7 +40,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[list[Sequence], torch.Tensor]:
-        """Computes the batch's new tokens into the KV cache. Returns the sequences that caught up with
+        seqs, logits, _ = self.run_step(batch, all_logits)
+        return seqs, logits
+
+    @torch.inference_mode()
+    def run_step(self, batch: ScheduledBatch, all_logits: bool = False
+                 ) -> tuple[list[Sequence], torch.Tensor, list[tuple[Sequence, torch.Tensor]]]:
+        """`run`, and each pooling sequence of the batch (always computed whole in one step) with
+        its pooled vector (layers/pooling.py).
+
+        Computes the batch's new tokens into the KV cache. Returns the sequences that caught up with
         their last token (they sample next) and their logits: one row each, or 1 + num_draft rows for a
         sequence carrying drafts to verify. With `all_logits`, the logits of every token computed, in
         batch order (for scoring a text)."""
@@ -54,6 +63,8 @@ class ModelRunner:
         tables, query_start, context_lens, prefills = [], [0], [], []
         sampling_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
+        pool_spans: list[tuple[int, int]] = []
+        pooling_seqs: list[Sequence] = []
         for j in order:
             seq, n = batch.seqs[j], batch.num_new_tokens[j]
             start = seq.num_computed_tokens
@@ -68,7 +79,11 @@ class ModelRunner:
             positions += range(start, end)
             slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                       for p in range(start, end)]
-            if end == seq.num_tokens_with_spec:  # caught up: logits for the last token and each draft
+            if seq.pooling:
+                assert start == 0 and end == seq.num_tokens, "a pooling sequence is computed whole"
+                pool_spans.append((len(input_ids) - n, n))
+                pooling_seqs.append(seq)
+            elif end == seq.num_tokens_with_spec:  # caught up: logits for the last token and each draft
                 sampling_rows += range(len(input_ids) - 1 - seq.num_draft, len(input_ids))
                 sampling_seqs.append(seq)
         width = max((len(t) for t in tables), default=0)
@@ -82,16 +97,28 @@ class ModelRunner:
             block_size=self.block_size, num_paged_tokens=query_start[-1],
         )
         rows = None if all_logits else torch.tensor(sampling_rows, dtype=torch.long, device=self.device)
-        logits = self.execute(StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows))
+        step = StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows)
+        pooled: list[torch.Tensor] = []
+        if pooling_seqs:
+            hidden = self._hidden(step)
+            logits = self._logits(step, hidden)
+            pooled = self.model.pooler(hidden, pool_spans)
+        else:
+            logits = self.execute(step)
         if logits.shape[-1] > self.vocab_limit:
             logits[:, self.vocab_limit:] = float("-inf")
-        return sampling_seqs, logits
+        return sampling_seqs, logits, list(zip(pooling_seqs, pooled))
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:
         """The model over one step's inputs: K/V written into the cache, logits of `step.logit_rows`."""
+        return self._logits(step, self._hidden(step))
+
+    def _hidden(self, step: StepInputs) -> torch.Tensor:
         self.kv_cache.copy_blocks(step.copies)
-        hidden = self.model(step.input_ids, step.meta)
+        return self.model(step.input_ids, step.meta)
+
+    def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
         if step.logit_rows is None:
             return self.model.logits(hidden)
         if not len(step.logit_rows):

@@ -35,6 +35,7 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, Any] = field(default_factory=dict)
     failure: StepFailure | None = None  # set where a model step failed on this request
+    pooled: Any = None  # a pooling request's float32 torch.Tensor: its pooled hidden state or a classifier's logits
 
 
 @dataclass

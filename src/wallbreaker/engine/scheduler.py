@@ -64,6 +64,7 @@ class StepOutput:
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child): n > 1 at the first sample
     appends: list[Append] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # of requests that failed: finished with "error"
+    pooled: list[Sequence] = field(default_factory=list)  # pooling sequences computed this step: finished
 
 
 class Scheduler:
@@ -91,10 +92,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = seq.num_tokens_with_spec - seq.num_computed_tokens
+            if seq.pooling and n > budget and batch.seqs:  # whole or not at all (a step that failed left it here)
+                i += 1
+                continue
             if seq.num_draft and n > budget:  # drafts that do not fit this step are dropped, not split
                 seq.drop_drafts(keep=max(0, seq.num_draft - (n - budget)))
                 n = seq.num_tokens_with_spec - seq.num_computed_tokens
-            n = min(n, budget)
+            if not seq.pooling:
+                n = min(n, budget)
             if seq.num_draft and not self.block_manager.can_append(seq, n):  # drafts never cost a preemption
                 n -= seq.num_draft
                 seq.drop_drafts()
@@ -108,10 +113,18 @@ class Scheduler:
                 batch.add(seq, n, self.block_manager.append_slots(seq, n))
                 budget -= n
                 i += 1
+        admitted = False
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             first_admission = seq.num_output_tokens == 0 and seq.first_token_time is None
-            n = self.block_manager.allocate_prompt(seq, budget)
+            if seq.pooling:  # whole, never from the prefix cache (every position's hidden state is needed);
+                # past the budget only as the step's first admission: beside the running sequences' own
+                # tokens, never behind them for ever, and never holding back the queue
+                if seq.num_tokens > budget and admitted:
+                    break
+                n = self.block_manager.allocate_prompt(seq, seq.num_tokens, reuse_prefix=False)
+            else:
+                n = self.block_manager.allocate_prompt(seq, budget)
             if n == 0:
                 break
             if first_admission:
@@ -121,6 +134,7 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+            admitted = True
         self._tell_disk()
         return batch
 
@@ -178,6 +192,10 @@ class Scheduler:
             if not seq.is_finished:
                 self.finish(seq, "error")
                 deltas.append(StreamDelta(seq.request_id, seq.index, "", [], [], [], "error"))
+        for seq in output.pooled:  # its pages go back at once
+            if not seq.is_finished:
+                self.finish(seq, "stop")
+                deltas.append(StreamDelta(seq.request_id, seq.index, "", [], [], [], "stop"))
         for a in output.appends:
             seq = a.seq
             if seq.is_finished:

@@ -71,6 +71,7 @@ class Sequence:
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token ids that must not be completed
     dry_breaker_ids: frozenset[int] = frozenset()  # DRY's sequence breakers, as token ids
     mirostat_mu: float | None = None  # mirostat's state (None: not drawn yet, or no mirostat)
+    pooling: bool = False  # a pooling request's: computed whole in one step, then finished (nothing sampled)
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..errors import ModelFormatError, ModelNotFoundError, WallbreakerError
 from .packaged import DEFAULT_MODEL, PACKAGED_MODELS, packaged_model_path
+from .packaged_folders import PACKAGED_FOLDERS, packaged_folder_path
 from .weights import ModelFiles, WeightRef
 
 
@@ -15,6 +16,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         return packaged_model_path(DEFAULT_MODEL)
     if str(model) in PACKAGED_MODELS:
         return packaged_model_path(str(model))
+    if str(model) in PACKAGED_FOLDERS:
+        return packaged_folder_path(str(model))
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelNotFoundError(f"{path}: no such file or folder")
@@ -28,7 +31,9 @@ def open_model(model: str | os.PathLike | None) -> ModelFiles:
     path = resolve_model_path(model)
     try:
         if path.is_dir():
-            from . import hf_model
+            from . import bert, hf_model
+            if bert.is_bert_folder(path):
+                return bert.read_bert_folder(path)
             return hf_model.read_hf_folder(path)
         from . import gguf_model
         return gguf_model.read_gguf_model(path)

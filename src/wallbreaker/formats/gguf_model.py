@@ -44,6 +44,9 @@ _NEUTRAL_KEYS = {
 
 def read_gguf_model(path: Path) -> ModelFiles:
     gf = open_gguf(path)
+    if gf.get("general.architecture") == "bert":
+        from .bert import read_bert_gguf
+        return read_bert_gguf(gf)
     label = gf.path.name
     config = config_from_gguf(gf)
     weights = {name: _weight_ref(t, config) for name, t in gf.tensors.items() if name not in ROPE_TENSORS}

@@ -1,6 +1,7 @@
 """A Hugging Face folder (config.json, *.safetensors, tokenizer.json) -> ModelFiles."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -38,6 +39,7 @@ def read_hf_folder(path: Path) -> ModelFiles:
             raise ModelFormatError(f"{cfg_path}: text_config is not a JSON object")
         hf = {**hf["text_config"], "model_type": "gemma3_text"}
     config = config_from_hf(hf, path)
+    config = with_pooling(config, path)
     handles = _safetensors_handles(path)
     n_tensors = sum(len(names) for _, _, names in handles)
     if config.num_layers > n_tensors:
@@ -57,6 +59,14 @@ def read_hf_folder(path: Path) -> ModelFiles:
     except InvalidRequestError as e:
         raise ModelFormatError(f"{path}: {e}") from e
     return ModelFiles(path, "hf", config, weights, tokenizer, template, hf)
+
+
+def with_pooling(config: ModelConfig, path: Path) -> ModelConfig:
+    """A decoder embedding model (Qwen3-Embedding: sentence-transformers' modules.json beside it)
+    gets its pooling config; a folder without one only generates."""
+    from .sentence_transformers import read_pooling_config
+    pooling, _ = read_pooling_config(path, default=None)
+    return config if pooling is None else dataclasses.replace(config, pooling=pooling)
 
 
 # ModelConfig field -> the config.json key it is read from, to name the key in errors.

@@ -9,18 +9,23 @@ from ..formats.packaged import cache_dir
 from ..kernels.repack_cache import RepackCache, source_identity
 from ..layers.shard import Shard
 from .base import CausalLM
+from .bert import BertModel
 from .gemma import GemmaCausalLM
 from .llama import LlamaCausalLM
 from .source import WeightSource
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "llama": LlamaCausalLM, "qwen2": LlamaCausalLM, "qwen3": LlamaCausalLM, "qwen3moe": LlamaCausalLM,
-    "phi3": LlamaCausalLM, "gemma2": GemmaCausalLM, "gemma3": GemmaCausalLM,
+    "phi3": LlamaCausalLM, "gemma2": GemmaCausalLM, "gemma3": GemmaCausalLM, "bert": BertModel,
 }  # mixtures of experts (Mixtral is llama, Qwen3-MoE qwen3moe) swap the MLP: models/moe.py
 
 
 def build_model(config: ModelConfig, source: WeightSource) -> CausalLM:
-    return _ARCHITECTURES[config.architecture](config, source).eval()
+    model = _ARCHITECTURES[config.architecture](config, source).eval()
+    if config.pooling is not None and getattr(model, "pooler", None) is None:  # a decoder embedding model
+        from ..layers.pooling import Pooler
+        model.pooler = Pooler(config.pooling)
+    return model
 
 
 def load_model(files: ModelFiles, config: EngineConfig, device: torch.device, shard: Shard | None = None) -> CausalLM:

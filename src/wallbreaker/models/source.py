@@ -192,6 +192,11 @@ class WeightSource:
             head = self.linear(["output.weight"])
         return embedding, head
 
+    def embedding(self, name: str) -> nn.Module:
+        """A token table of its own (no head shares it): stored blocks stay stored on the packed path."""
+        ref = self.weights[name]
+        return self._embedding(ref, range(ref.shape[0]))
+
     def _tied_embedding(self, head: nn.Module, ref: WeightRef, rows: range) -> nn.Module:
         """A quantized head's blocks also serve the lookups (one copy); a float head's table likewise."""
         if isinstance(head, QuantLinear):

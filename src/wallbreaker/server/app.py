@@ -25,6 +25,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeReques
 from .responses import ModelCard, ModelList
 from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
+from .serving_embedding import router as pooling_router
 from .sessions import add_session_routes
 from .static import add_chat_page
 from .state import ServerState
@@ -103,6 +104,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     add_anthropic_messages(app, v1)
     add_ollama_api(app, v1)
     add_openai_responses(app, v1)
+    app.include_router(pooling_router, dependencies=v1)  # /v1/embeddings, /v1/rerank, /rerank, /score, /api/embed
 
     add_chat_page(app)  # GET / and /static/*: the chat page, never behind the key (it holds no secret)
     return app
