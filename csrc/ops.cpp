@@ -288,9 +288,9 @@ torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::
   const int64_t M = x_in.size(0), K = x_in.size(1);
   bool n32 = false, n256 = false;
   const int64_t N = check_segments(weights, qtypes, K, n32, n256);
-  const auto xt = x_in.to(torch::kBFloat16).t();  // [K, M]
-  auto yt = torch::empty({N, M}, x_in.options().dtype(torch::kBFloat16));
-  auto buf = torch::empty({std::min(tile, N), K}, yt.options());
+  const auto xb = x_in.to(torch::kBFloat16).contiguous();
+  auto y = torch::empty({M, N}, x_in.options().dtype(torch::kBFloat16));
+  auto buf = torch::empty({std::min(tile, N), K}, y.options());
   uint16_t* bp = reinterpret_cast<uint16_t*>(buf.data_ptr<at::BFloat16>());
   int64_t col = 0;
   for (size_t i = 0; i < weights.size(); i++) {
@@ -301,12 +301,12 @@ torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::
       at::parallel_for(r0, r0 + rows, 16, [&](int64_t a, int64_t b) {
         wb_dequant_bf16_avx512((int)qtypes[i], wp, w.size(1), a, b, K, bp + (a - r0) * K, K);
       });
-      auto dst = yt.narrow(0, col + r0, rows);
-      at::mm_out(dst, buf.narrow(0, 0, rows), xt);
+      auto dst = y.narrow(1, col + r0, rows);  // the tile's columns, in place (oneDNN takes the row stride)
+      at::mm_out(dst, xb, buf.narrow(0, 0, rows).t());
     }
     col += w.size(0);
   }
-  return yt.t().to(torch::kFloat).contiguous();
+  return y.to(torch::kFloat);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
