@@ -40,19 +40,19 @@ def run(llm: LLM, prompt=PROMPT, salt: str | None = None) -> tuple[list[int], to
     """Greedy tokens, the logits of the first sampled position, and the request's metrics."""
     captured = []
     runner = llm.engine.runner
-    plain = runner.run
+    plain = runner.run_step  # what the engine's step calls
 
     def spy(batch, all_logits=False):
-        seqs, logits = plain(batch, all_logits)
+        seqs, logits, pooled = plain(batch, all_logits)
         if seqs and not captured:
             captured.append(logits[0].clone())
-        return seqs, logits
-    runner.run = spy
+        return seqs, logits, pooled
+    runner.run_step = spy
     try:
         request = {"prompt_token_ids": list(prompt)} | ({"cache_salt": salt} if salt is not None else {})
         out = llm.generate(request, GREEDY)[0]
     finally:
-        runner.run = plain
+        runner.run_step = plain
     return out.outputs[0].token_ids, captured[0], out.metrics
 
 

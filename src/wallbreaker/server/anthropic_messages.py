@@ -35,7 +35,8 @@ from .protocol import ChatCompletionRequest
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
 from .tools import plan_tools
-from .translate import chat_request, reasoning_of, refuse_unknown, renamed_params, translated_stream
+from .streaming import event_stream
+from .translate import chat_request, reasoning_of, refuse_unknown, renamed_params
 
 # Accepted and without effect here: bookkeeping, routing and caching hints, and reasoning settings.
 IGNORED = frozenset({"metadata", "service_tier", "thinking", "cache_control", "speed", "inference_geo",
@@ -368,7 +369,7 @@ async def create_message(request: Request) -> Response:
     with renamed_params(PARAMS):
         run = await start_chat(body, request, state, prefix="msg")
     if body.stream:
-        return translated_stream(run.handle, message_events(run), error_event, state.request_timeout)
+        return event_stream(run.handle, message_events(run), state.request_timeout, done="", error_event=error_event)
     answer, output = await chat_response(run, request)
     return Response(json.dumps(message_body(run, answer, output), ensure_ascii=False), media_type="application/json")
 

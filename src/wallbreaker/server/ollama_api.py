@@ -41,8 +41,8 @@ from .ollama_models import model_entry, running_entry, show_body
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .serving_completion import CompletionRun, completion_chunks, completion_response, start_completion
 from .state import ServerState
-from .translate import (chat_request, completion_request, reasoning_of, refuse_unknown, renamed_params,
-                        translated_stream)
+from .streaming import event_stream
+from .translate import chat_request, completion_request, reasoning_of, refuse_unknown, renamed_params
 
 # The Ollama API version answered at /api/version: clients check it for the features they use
 # (VS Code Copilot reads it as major.minor.patch integers), so it names the API this module follows.
@@ -288,8 +288,8 @@ async def chat(request: Request) -> Response:
     with renamed_params(PARAMS):
         run = await start_chat(chat_request(fields), request, state, prefix="ollama")
     if stream:
-        return translated_stream(run.handle, chat_lines(run, name, started, False), error_line,
-                                 state.request_timeout, media_type=NDJSON)
+        return event_stream(run.handle, chat_lines(run, name, started, False), state.request_timeout, done="",
+                            error_event=error_line, media_type=NDJSON)
     answer, output = await chat_response(run, request)
     choice = answer.choices[0]
     message: dict[str, Any] = {"role": "assistant", "content": choice.message.content or ""}
@@ -324,8 +324,8 @@ async def generate(request: Request) -> Response:
             run = await start_completion(completion_request({"prompt": body.prompt, "stream": stream, **fim,
                                                              **sampling_fields(body)}), request, state)
         if stream:
-            return translated_stream(run.handle, completion_lines(run, name, started), error_line,
-                                     state.request_timeout, media_type=NDJSON)
+            return event_stream(run.handle, completion_lines(run, name, started), state.request_timeout, done="",
+                                error_event=error_line, media_type=NDJSON)
         answer, outputs = await completion_response(run, request)
         text, finish = answer.choices[0].text, answer.choices[0].finish_reason
         output = next(iter(outputs.values()))
@@ -337,8 +337,8 @@ async def generate(request: Request) -> Response:
             run = await start_chat(chat_request({"messages": messages, "stream": stream, **sampling_fields(body)}),
                                    request, state, prefix="ollama")
         if stream:
-            return translated_stream(run.handle, chat_lines(run, name, started, True), error_line,
-                                     state.request_timeout, media_type=NDJSON)
+            return event_stream(run.handle, chat_lines(run, name, started, True), state.request_timeout, done="",
+                                error_event=error_line, media_type=NDJSON)
         answer, output = await chat_response(run, request)
         text, finish = answer.choices[0].message.content or "", answer.choices[0].finish_reason
         thinking = reasoning_of(answer.choices[0].message)

@@ -36,7 +36,8 @@ from .protocol import ChatCompletionRequest
 from .response_store import ResponseStore
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
-from .translate import chat_request, reasoning_of, refuse_unknown, renamed_params, translated_stream
+from .streaming import event_stream
+from .translate import chat_request, reasoning_of, refuse_unknown, renamed_params
 
 IGNORED = frozenset({"metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier", "reasoning",
                      "include", "stream_options", "background"})
@@ -411,8 +412,8 @@ async def create_response(request: Request) -> Response:
     reply = Reply(body, run, "resp_" + run.chat_id.split("-", 1)[-1])
     if body.stream:
         writer = EventWriter()
-        return translated_stream(run.handle, response_events(reply, writer, store, conversation), error_event(writer),
-                                 state.request_timeout)
+        return event_stream(run.handle, response_events(reply, writer, store, conversation), state.request_timeout,
+                            done="", error_event=error_event(writer))
     answer, _ = await chat_response(run, request)
     output = output_items(answer)
     finish_reason = answer.choices[0].finish_reason

@@ -64,10 +64,13 @@ async def deltas(handle: RequestHandle, access: AccessRecord, deadline: float | 
 
 
 def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], timeout_s: float | None,
-                 done: str = SSE_DONE) -> EventStreamResponse:
-    """`chunks` as a whole event stream: a deadline passed or an API error mid-way becomes an error
-    event, `done` ([DONE]; llama.cpp's own routes send nothing) ends it, and the requests are aborted
-    however it ends."""
+                 done: str = SSE_DONE, error_event: Callable[[APIError], str] | None = None,
+                 media_type: str = "text/event-stream") -> EventStreamResponse:
+    """`chunks` as a whole stream in an API's own framing: a deadline passed or an API error mid-way
+    becomes that API's error event (`error_event`; OpenAI's by default), `done` ([DONE]; the other
+    APIs and llama.cpp's own routes send nothing: "") ends it, and the requests are aborted however
+    it ends."""
+    error_event = error_event or sse_error
 
     async def guarded() -> AsyncIterator[str]:
         try:
@@ -75,13 +78,13 @@ def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], timeout_s: f
                 yield chunk
         except TimeoutError:
             handle.abort("timeout")
-            yield sse_error(request_timeout(timeout_s or 0.0))
+            yield error_event(request_timeout(timeout_s or 0.0))
         except APIError as e:
-            yield sse_error(e)
+            yield error_event(e)
         if done:
             yield done
 
-    return EventStreamResponse(guarded(), on_close=handle.abort)
+    return EventStreamResponse(guarded(), on_close=handle.abort, media_type=media_type)
 
 
 async def collect(handle: RequestHandle, request: Request, deadline: float | None,

@@ -3,16 +3,14 @@ the request the chat or completion handling takes, runs it there, and writes the
 shape. Nothing here generates: these are the seams between a foreign shape and ours."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .async_engine import RequestHandle
-from .errors import APIError, bad_request, request_timeout, validation_error
+from .errors import APIError, bad_request, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .streaming import EventStreamResponse
 
 
 def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -58,25 +56,3 @@ def reasoning_of(message: Any) -> str | None:
     """The reasoning the chat answer (or a chunk's delta) carries apart from its content, where the
     model's reasoning is parsed out (`reasoning_content`); None where it is not."""
     return getattr(message, "reasoning_content", None) or None
-
-
-def translated_stream(handle: RequestHandle, events: AsyncIterator[str], error_event: Callable[[APIError], str],
-                      timeout_s: float | None, media_type: str = "text/event-stream",
-                      last: str | None = None) -> EventStreamResponse:
-    """`events` as a whole stream in an API's own framing: a deadline passed or an API error mid-way
-    becomes that API's error event (`error_event`), `last` (if any) ends it, and the engine requests
-    are aborted however it ends."""
-
-    async def guarded() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield event
-        except TimeoutError:
-            handle.abort("timeout")
-            yield error_event(request_timeout(timeout_s or 0.0))
-        except APIError as e:
-            yield error_event(e)
-        if last is not None:
-            yield last
-
-    return EventStreamResponse(guarded(), on_close=handle.abort, media_type=media_type)
