@@ -174,3 +174,14 @@ def test_llama_speculative_summary_is_parsed():
     parsed = parse_speculative(log)
     assert parsed["decode_tokens_per_s"] == pytest.approx(18.307)
     assert parsed["acceptance_rate"] == pytest.approx(96 / 99)
+
+
+def test_inspect_describes_an_encoder_without_kv_or_decode_figures(tiny_bert_embedding, cache):
+    """An encoder only pools: no KV cache, no decode bound, even with a bandwidth stored."""
+    env = {"WALLBREAKER_CACHE": str(cache)}
+    stored()
+    text = run_cli("inspect", str(tiny_bert_embedding), env=env).stdout
+    assert "an encoder: it pools (mean)" in text and "bytes per token" not in text and "decode bound" not in text
+    info = json.loads(run_cli("inspect", str(tiny_bert_embedding), "--json", env=env).stdout)
+    assert info["pooling"]["task"] == "embed" and "kv_bytes_per_token" not in info
+    assert "decode_bound_tokens_per_s" not in info

@@ -10,6 +10,7 @@ from ..config import KV_CACHE_DTYPES, EngineConfig
 from ..formats import open_model
 from ..kernels import K_TYPES
 from ..kv.cache import kv_bytes_per_token
+from ..models import generates
 from .roofline import stored_bandwidth, stored_decode_cost
 
 BOUND_BATCHES = (1, 8, 64)
@@ -43,20 +44,28 @@ def describe(model: str | None, json_output: bool = False) -> str:
         "kv_bytes_per_token_float32": kv_f32, "kv_bytes_per_token": kv_by_dtype,
         "bytes_read_per_decoded_token": {f"context {n}": stored.bytes_per_step(1, n) for n in (1, 512, 4096)},
     }
+    encoder = not generates(cfg.architecture)
+    if encoder:  # it only pools: no KV cache, no decoding, absolute positions
+        for key in ("rope_theta", "tied_output_head", "kv_bytes_per_token_float32", "kv_bytes_per_token",
+                    "bytes_read_per_decoded_token"):
+            info.pop(key)
+        info["pooling"] = None if cfg.pooling is None else {"method": cfg.pooling.method, "task": cfg.pooling.task}
     if cfg.is_moe:
         info.update(experts=cfg.num_experts, experts_active_per_token=cfg.num_experts_per_tok,
                     expert_intermediate_size=cfg.expert_ffn, expert_bytes_stored=stored.expert_bytes,
                     weight_bytes_read_per_token=stored.weights_read(1))
     bandwidth = stored_bandwidth()
-    if bandwidth:
+    if bandwidth and not encoder:
         info["decode_bound_tokens_per_s"] = _bounds(files, bandwidth)
     if json_output:
         return json.dumps(info, indent=2)
     lines = [f"{files.path}  ({files.format})",
              f"  architecture   {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
              f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, FFN {cfg.intermediate_size}",
-             f"  vocabulary     {cfg.vocab_size}, context {cfg.max_position_embeddings}, RoPE base {cfg.rope_theta:g}, "
-             f"{'tied' if cfg.tie_word_embeddings else 'separate'} output head",
+             f"  vocabulary     {cfg.vocab_size}, context {cfg.max_position_embeddings}, " + (
+                 "absolute positions, an encoder: it pools (" + (info["pooling"] or {}).get("method", "?") + "), "
+                 "with no KV cache and no decoding" if encoder else
+                 f"RoPE base {cfg.rope_theta:g}, {'tied' if cfg.tie_word_embeddings else 'separate'} output head"),
              f"  tensors        {len(files.weights)}, {weight_bytes / 1e6:.1f} MB as stored"]
     if cfg.is_moe:
         lines.insert(2, f"  experts        {cfg.num_experts}, {cfg.num_experts_per_tok} active per token, FFN "
@@ -67,6 +76,8 @@ def describe(model: str | None, json_output: bool = False) -> str:
     lines.append(f"  on the auto path: {in_place / 1e6:.1f} MB read in place from the file's mapping, "
                  f"{repacked / 1e6:.1f} MB from the repack cache's (as stored), {copied / 1e6:.1f} MB copied "
                  "(float tensors)")
+    if encoder:
+        return "\n".join(lines)
     lines.append("  KV cache       bytes per token: " + ", ".join(f"{b:,} ({name})" for name, b in kv_by_dtype.items()))
     lines.append("  read per decoded token (weights once, active experts only, + KV of the context in bfloat16, batch 1):"
                  if cfg.is_moe else "  read per decoded token (weights once + KV of the context in bfloat16, batch 1):")

@@ -20,6 +20,11 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
 }  # mixtures of experts (Mixtral is llama, Qwen3-MoE qwen3moe) swap the MLP: models/moe.py
 
 
+def generates(architecture: str) -> bool:
+    """Whether the architecture decodes text (an encoder such as BERT only pools)."""
+    return getattr(_ARCHITECTURES[architecture], "can_generate", True)
+
+
 def build_model(config: ModelConfig, source: WeightSource) -> CausalLM:
     model = _ARCHITECTURES[config.architecture](config, source).eval()
     if config.pooling is not None and getattr(model, "pooler", None) is None:  # a decoder embedding model
