@@ -119,10 +119,12 @@ def test_options_map_onto_the_sampling_settings(client, url):
         "top_k": 5, "top_p": 0.5, "min_p": 0.1})
     assert penalized.eval_count == 16
     # llama.cpp's samplers under Ollama's option names: the completion route's own seeded answer
-    for extra in ({"typical_p": 0.5}, {"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2}):
+    renamed = {"mirostat": "mirostat_mode", "repeat_penalty": "repetition_penalty"}
+    for extra in ({"typical_p": 0.5}, {"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2},
+                  {"repeat_penalty": 3.0, "repeat_last_n": 4}):
         ours = client.generate(model="model", prompt="Hello", raw=True,
                                options={"seed": 3, "temperature": 1.0, "num_predict": 12, **extra}).response
-        fields = {("mirostat_mode" if k == "mirostat" else k): v for k, v in extra.items()}
+        fields = {renamed.get(k, k): v for k, v in extra.items()}
         same = openai_completion(url, {"prompt": "Hello", "seed": 3, "temperature": 1.0, "top_k": 40, "top_p": 0.9,
                                        "max_tokens": 12, **fields})
         assert ours == same, extra
@@ -168,8 +170,8 @@ def test_tags_show_ps_and_version_describe_the_model_served(client, url, tiny_ll
 BAD = {
     "malformed JSON": ("/api/chat", b'{"model": "model", "messages": [', 400, "not valid JSON"),
     "unknown model": ("/api/chat", {"model": "llama3:8b", "messages": USER}, 404, "llama3:8b"),
-    "unsupported option": ("/api/chat", {"model": "model", "messages": USER, "options": {"repeat_last_n": 8}}, 400,
-                           "repeat_last_n"),
+    "unsupported option": ("/api/chat", {"model": "model", "messages": USER, "options": {"penalize_newline": True}},
+                           400, "penalize_newline"),
     "schema that does not compile": ("/api/chat", {"model": "model", "messages": USER, "format": {"type": "nonsense"}},
                                      400, "format"),
     "unknown role": ("/api/chat", {"model": "model", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
@@ -195,8 +197,8 @@ def test_bad_input_is_a_4xx_in_ollamas_shape_while_another_stream_goes_on(client
         response = httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
         assert words in assert_ollama_error(response, status), name
     with pytest.raises(ollama.ResponseError) as error:
-        client.chat(model="model", messages=USER, stream=False, options={"repeat_last_n": 8})
-    assert error.value.status_code == 400 and "repeat_last_n" in error.value.error
+        client.chat(model="model", messages=USER, stream=False, options={"penalize_newline": True})
+    assert error.value.status_code == 400 and "penalize_newline" in error.value.error
     thread.join(120)
     assert parts[-1].done and parts[-1].eval_count == 40
 

@@ -208,6 +208,34 @@ def test_penalties_match_hand_computed_example():
     assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]))
 
 
+def test_repeat_last_n_narrows_the_penalties_to_the_last_tokens():
+    """llama.cpp's window: the repetition penalty sees the last n tokens of prompt + output, presence
+    and frequency the output tokens among them; 0 sees none, -1 (the default) all."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    prompt, output = [[0, 1, 3]], [[2, 2, 4]]
+
+    def penalized(n: int) -> torch.Tensor:
+        params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, repeat_last_n=n)]
+        return apply_penalties(logits, params, prompt, output)
+
+    def reference(n: int) -> torch.Tensor:
+        context = prompt[0] + output[0]
+        window = context[len(context) - n:] if n > 0 else ([] if n == 0 else context)
+        in_output = window[max(0, len(window) - len(output[0])):]
+        want = logits.clone()
+        for t in set(window):
+            want[0, t] = want[0, t] / 2.0 if want[0, t] > 0 else want[0, t] * 2.0
+        for t in set(in_output):
+            want[0, t] -= 0.25 * in_output.count(t)
+        return want
+
+    for n in (-1, 0, 1, 2, 4, 6, 50):
+        assert torch.allclose(penalized(n), reference(n)), n
+    assert not torch.allclose(penalized(2), penalized(-1))
+    with pytest.raises(ValueError, match="repeat_last_n"):
+        SamplingParams(repeat_last_n=-2)
+
+
 def test_penalties_are_per_row():
     logits = torch.ones(3, 4)
     params = [SamplingParams(), SamplingParams(frequency_penalty=1.0), SamplingParams(repetition_penalty=4.0)]

@@ -124,6 +124,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # the penalties above look at the last repeat_last_n tokens of prompt and output (llama.cpp's and
+    # Ollama's window; presence and frequency at the output tokens among them); -1: all (vLLM's)
+    repeat_last_n: int = -1
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     # constraints (vLLM's names): the output fits a grammar; token id -> a bias added to its logit
@@ -162,7 +165,7 @@ class SamplingParams:
             if not math.isfinite(value):
                 _fail(f"{name} must be finite, got {value}")
             setattr(self, name, float(value))
-        for name in ("n", "top_k", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode"):
+        for name in ("n", "top_k", "repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode"):
             _check_int(name, getattr(self, name))
         for name in ("max_tokens", "seed", "logprobs"):
             if getattr(self, name) is not None:
@@ -185,6 +188,8 @@ class SamplingParams:
             _fail(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.repetition_penalty <= 0:
             _fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repeat_last_n < -1:
+            _fail(f"repeat_last_n must be >= 0, or -1 for every token, got {self.repeat_last_n}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 _fail(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -53,10 +53,12 @@ def apply_penalties(
 
     Repetition penalty over prompt + output tokens: positive logits are divided by it,
     negative ones multiplied. Then, over output tokens only,
-    logit -= presence * [count > 0] + frequency * count.
+    logit -= presence * [count > 0] + frequency * count. A row's `repeat_last_n` >= 0 narrows both
+    to the last that many tokens of prompt + output.
     Works on flat indices (row * V + token) so that it touches only the penalized entries.
     Then DRY (layers/dry.py) over prompt + output tokens, with each row's sequence-breaker token ids.
     """
+    rep_prompt, rep_output = _penalty_windows(params, prompt_ids, output_ids)
     out = logits.float().clone()  # [B, V]
     B, V = out.shape
     flat = out.view(-1)  # [B * V]
@@ -64,7 +66,7 @@ def apply_penalties(
 
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
-        seen = [(i, prompt_ids[i]) for i in rep_rows] + [(i, output_ids[i]) for i in rep_rows]
+        seen = [(i, rep_prompt[i]) for i in rep_rows] + [(i, rep_output[i]) for i in rep_rows]
         idx = _flat_ids(seen, V, device).unique()
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
         vals = flat[idx]
@@ -73,7 +75,7 @@ def apply_penalties(
 
     pf_rows = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
     if pf_rows:
-        idx, counts = _flat_ids([(i, output_ids[i]) for i in pf_rows], V, device).unique(return_counts=True)
+        idx, counts = _flat_ids([(i, rep_output[i]) for i in pf_rows], V, device).unique(return_counts=True)
         presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
         frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
         row = idx // V
@@ -395,6 +397,22 @@ def _top_logprobs(raw_logprobs: Tensor, params: list[SamplingParams]) -> list[li
         return None
     best = top_logprobs(raw_logprobs, max(w or 0 for w in wanted))
     return [pairs[: w or 0] for pairs, w in zip(best, wanted)]
+
+
+def _penalty_windows(params: list[SamplingParams], prompt_ids: list[Sequence[int]], output_ids: list[Sequence[int]]
+                     ) -> tuple[list[Sequence[int]], list[Sequence[int]]]:
+    """Each row's prompt and output tokens within its `repeat_last_n` window (all where it is -1)."""
+    if all(p.repeat_last_n < 0 for p in params):
+        return prompt_ids, output_ids
+    prompts, outputs = list(prompt_ids), list(output_ids)
+    for i, p in enumerate(params):
+        n = p.repeat_last_n
+        if n >= 0:
+            out = list(outputs[i])[max(0, len(outputs[i]) - n):] if n else []
+            rest = n - len(out)
+            prompts[i] = list(prompts[i])[max(0, len(prompts[i]) - rest):] if rest > 0 else []
+            outputs[i] = out
+    return prompts, outputs
 
 
 def _flat_ids(rows_ids: list[tuple[int, Sequence[int]]], V: int, device: torch.device) -> Tensor:

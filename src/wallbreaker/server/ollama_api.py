@@ -8,12 +8,12 @@ completion handling.
   to last token), `total_duration` (the whole request here) and `load_duration` (0: the model was
   loaded when the server started), in nanoseconds.
 - `options`: temperature, top_p, top_k, min_p, num_predict (-1 and -2: to the end of the context),
-  stop, seed (-1: random), repeat_penalty (as `repetition_penalty`, over the whole sequence, not
-  Ollama's last 64 tokens), presence_penalty, frequency_penalty, typical_p, mirostat (2; 1 is a 400),
-  mirostat_tau, mirostat_eta. Left out, temperature, top_k and top_p take Ollama's defaults (0.8,
-  40, 0.9). Options about hardware and memory (num_ctx, num_gpu, num_thread, ...) change no output
-  and are ignored; ones that would and are not supported here (repeat_last_n, ...) are a 400 naming
-  them.
+  stop, seed (-1: random), repeat_penalty (as `repetition_penalty`), repeat_last_n (the penalties'
+  window; left out, the whole sequence rather than Ollama's 64), presence_penalty, frequency_penalty,
+  typical_p, mirostat (2; 1 is a 400), mirostat_tau, mirostat_eta. Left out, temperature, top_k and
+  top_p take Ollama's defaults (0.8, 40, 0.9). Options about hardware and memory (num_ctx, num_gpu,
+  num_thread, ...) change no output and are ignored; ones that would and are not supported here
+  (penalize_newline, ...) are a 400 naming them.
 - `format`: "json" or a JSON schema, through structured output. `tools` (OpenAI's shape) through the
   chat's tool calling; calls come back whole, their arguments as objects. `keep_alive` is accepted
   (the model stays loaded while the server runs); `think` too: a `thinking` field comes back where
@@ -52,7 +52,8 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a 
 # option -> the chat / completion request's field
 OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "stop": "stop", "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                 "frequency_penalty": "frequency_penalty", "typical_p": "typical_p", "mirostat": "mirostat",
+                 "frequency_penalty": "frequency_penalty", "repeat_last_n": "repeat_last_n", "typical_p": "typical_p",
+                 "mirostat": "mirostat",
                  "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta"}
 PARAMS = {"response_format": "format", "max_tokens": "options.num_predict",
           **{field: f"options.{option}" for option, field in OPTION_FIELDS.items()}}

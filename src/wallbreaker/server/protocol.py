@@ -90,6 +90,7 @@ class LlamaCppSamplerFields(_Body):
     """llama.cpp's samplers, by its names (vLLM has none of them); `mirostat_mode` is also accepted.
     Read by `request_params.llama_cpp_sampler_fields`."""
 
+    repeat_last_n: int | None = None
     typical_p: float | None = None
     xtc_probability: float | None = None
     xtc_threshold: float | None = None

@@ -70,7 +70,7 @@ def llama_cpp_sampler_fields(body: LlamaCppSamplerFields) -> dict:
     if body.mirostat is not None and body.mirostat_mode is not None and body.mirostat != body.mirostat_mode:
         raise bad_request("mirostat and mirostat_mode disagree; give one", param="mirostat_mode")
     fields = {name: getattr(body, name) for name in (
-        "typical_p", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
+        "repeat_last_n", "typical_p", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
         "dry_penalty_last_n", "dry_sequence_breakers", "mirostat_tau", "mirostat_eta")
         if getattr(body, name) is not None}
     mode = _or(body.mirostat_mode, body.mirostat)
