@@ -146,3 +146,23 @@ def test_a_long_embedding_request_is_not_held_back_by_running_generation(qwen3_e
     assert {d.request_id for d in result.deltas} >= {"g0", "g1", "g2"}
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_decoder_cross_encoder_scores_pairs_as_transformers_does(tiny_qwen3, tmp_path):
+    """`Qwen3ForSequenceClassification` (a converted Qwen3-Reranker): the last token's final hidden
+    state through its score head, sigmoid; against transformers on the same pairs, tokenized by
+    transformers' own tokenizer. It cannot generate."""
+    from tiny_pooling_models import make_tiny_qwen3_reranker
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    folder = make_tiny_qwen3_reranker(tiny_qwen3, tmp_path / "reranker")
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    query, docs = TEXTS[0], TEXTS[1:]
+    with torch.no_grad():
+        ref = [torch.sigmoid(model(**tok(query, d, return_tensors="pt")).logits[0, 0]).item() for d in docs]
+    llm = LLM(folder, dtype="float32", max_model_len=128)
+    assert llm.score(query, docs) == pytest.approx(ref, abs=1e-5)
+    ranked = llm.rerank(query, docs)
+    assert [r["index"] for r in ranked] == sorted(range(len(docs)), key=lambda i: -ref[i])
+    with pytest.raises(InvalidRequestError, match="cannot generate"):
+        llm.generate("hello", SamplingParams(max_tokens=2))

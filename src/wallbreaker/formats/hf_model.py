@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..config import ROPE_TYPES, ConfigError, ModelConfig, RopeScaling, short_repr
+from ..config import ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
 from .names import GEMMA_ARCHITECTURES, hf_expert, hf_to_canonical_table, is_derived, is_norm
@@ -39,7 +39,7 @@ def read_hf_folder(path: Path) -> ModelFiles:
             raise ModelFormatError(f"{cfg_path}: text_config is not a JSON object")
         hf = {**hf["text_config"], "model_type": "gemma3_text"}
     config = config_from_hf(hf, path)
-    config = with_pooling(config, path)
+    config = with_pooling(config, path, hf)
     handles = _safetensors_handles(path)
     n_tensors = sum(len(names) for _, _, names in handles)
     if config.num_layers > n_tensors:
@@ -61,10 +61,21 @@ def read_hf_folder(path: Path) -> ModelFiles:
     return ModelFiles(path, "hf", config, weights, tokenizer, template, hf)
 
 
-def with_pooling(config: ModelConfig, path: Path) -> ModelConfig:
+def with_pooling(config: ModelConfig, path: Path, hf: dict[str, Any]) -> ModelConfig:
     """A decoder embedding model (Qwen3-Embedding: sentence-transformers' modules.json beside it)
-    gets its pooling config; a folder without one only generates."""
+    gets its pooling config; so does a decoder cross-encoder (`*ForSequenceClassification`, e.g.
+    Qwen3-Reranker converted to a score head, as vLLM and llama.cpp take it): the last token's final
+    hidden state through `score` gives `num_labels` logits. It has no LM head (the embedding stands
+    in, unused: it cannot generate). A folder with neither only generates."""
     from .sentence_transformers import read_pooling_config
+    architectures = hf.get("architectures") or []
+    if isinstance(architectures, list) and any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        labels = hf.get("id2label")
+        num_labels = len(labels) if isinstance(labels, dict) and labels else hf.get("num_labels", 2)
+        if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
+            raise ModelFormatError(f"{path}: num_labels must be a positive integer, got {num_labels!r}")
+        return dataclasses.replace(config, pooling=PoolingConfig("last", task="score"), num_labels=num_labels,
+                                   tie_word_embeddings=True)
     pooling, _ = read_pooling_config(path, default=None)
     return config if pooling is None else dataclasses.replace(config, pooling=pooling)
 

@@ -38,6 +38,7 @@ def hf_to_canonical_table(architecture: str, num_layers: int, moe: bool = False)
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
+        "score.weight": "cls.output.weight",  # *ForSequenceClassification: a reranker's head, as llama.cpp names it
     }
     per_layer = {
         "input_layernorm.weight": "attn_norm.weight",

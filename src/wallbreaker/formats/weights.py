@@ -151,6 +151,8 @@ def top_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     top = {"token_embd.weight": (cfg.vocab_size, cfg.hidden_size), "output_norm.weight": (cfg.hidden_size,)}
     if not cfg.tie_word_embeddings:
         top["output.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    if cfg.pooling is not None and cfg.pooling.task == "score":  # a decoder cross-encoder's head
+        top["cls.output.weight"] = (cfg.num_labels, cfg.hidden_size)
     return top
 
 

@@ -27,9 +27,13 @@ def generates(architecture: str) -> bool:
 
 def build_model(config: ModelConfig, source: WeightSource) -> CausalLM:
     model = _ARCHITECTURES[config.architecture](config, source).eval()
-    if config.pooling is not None and getattr(model, "pooler", None) is None:  # a decoder embedding model
+    if config.pooling is not None and getattr(model, "pooler", None) is None:  # a decoder pooling model
         from ..layers.pooling import Pooler
-        model.pooler = Pooler(config.pooling)
+        head = None
+        if config.pooling.task == "score":  # a decoder cross-encoder: its score head; no LM head to generate with
+            head = source.linear(["cls.output.weight"])
+            model.can_generate = False
+        model.pooler = Pooler(config.pooling, head)
     return model
 
 
