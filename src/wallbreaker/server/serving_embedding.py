@@ -191,21 +191,19 @@ async def score(request: Request) -> Response:
 
 @router.post("/api/embed")
 async def ollama_embed(request: Request) -> Response:
-    """Ollama's embed: errors as `{"error": "..."}`; `truncate` (default true) cuts at the model's limit."""
+    """Ollama's embed (its errors, `{"error": "..."}`, by path: server/error_shapes.py); `truncate`
+    (default true) cuts at the model's limit."""
     start = time.perf_counter()
+    body = await parse_body(request, OllamaEmbedRequest)
+    state: ServerState = request.app.state.server
+    access, request_id, deadline = state.admit(request, body.model, "embed")
+    params = PoolingParams("embed", body.dimensions)
     try:
-        body = await parse_body(request, OllamaEmbedRequest)
-        state: ServerState = request.app.state.server
-        access, request_id, deadline = state.admit(request, body.model, "embed")
-        params = PoolingParams("embed", body.dimensions)
-        try:
-            requests = await run_in_threadpool(_embedding_requests, state, _inputs(body.input), params,
-                                               -1 if body.truncate else None, request_id)
-        except InvalidRequestError as e:
-            raise _as_api_error(e, "input") from None
-        outputs = await _pool(state, request, requests, deadline)
-    except APIError as e:
-        return JSONResponse({"error": e.info.message}, status_code=e.status)
+        requests = await run_in_threadpool(_embedding_requests, state, _inputs(body.input), params,
+                                           -1 if body.truncate else None, request_id)
+    except InvalidRequestError as e:
+        raise _as_api_error(e, "input") from None
+    outputs = await _pool(state, request, requests, deadline)
     vectors = _run(state).embeddings(outputs, params)
     tokens = sum(len(r.prompt_token_ids) for r in requests)
     access.prompt_tokens = tokens
