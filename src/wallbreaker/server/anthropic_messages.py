@@ -36,7 +36,7 @@ from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
 from .tools import plan_tools
 from .streaming import event_stream
-from .translate import chat_request, reasoning_of, refuse_unknown, renamed_params
+from .translate import chat_request, delta_pieces, reasoning_of, refuse_unknown, renamed_params
 
 # Accepted and without effect here: bookkeeping, routing and caching hints, and reasoning settings.
 IGNORED = frozenset({"metadata", "service_tier", "thinking", "cache_control", "speed", "inference_geo",
@@ -331,18 +331,10 @@ async def message_events(run: ChatRun) -> AsyncIterator[str]:
     finished: list[RequestOutput] = []
     async for chunk in chat_chunks(run, include_usage=False, finished=finished):
         for choice in chunk.choices:
-            delta = choice.delta
             events: list[str] = []
-            reasoning = reasoning_of(delta)
-            if reasoning:
-                events += blocks.thinking(reasoning)
-            if delta.content:
-                events += blocks.text(delta.content)
-            for call in delta.tool_calls or ():
-                if call.id is not None:
-                    events += blocks.tool_use(call.id, call.function.name or "")
-                if call.function.arguments:
-                    events += blocks.tool_input(call.function.arguments)
+            for kind, text, call_id in delta_pieces(choice.delta):
+                events += (blocks.tool_use(call_id, text) if kind == "call" else
+                           {"reasoning": blocks.thinking, "text": blocks.text, "arguments": blocks.tool_input}[kind](text))
             if choice.finish_reason is not None:
                 finish_reason = choice.finish_reason
             for event in events:

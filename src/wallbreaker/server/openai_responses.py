@@ -37,7 +37,7 @@ from .response_store import ResponseStore
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
 from .streaming import event_stream
-from .translate import chat_request, reasoning_of, refuse_unknown, renamed_params
+from .translate import chat_request, delta_pieces, reasoning_of, refuse_unknown, renamed_params
 
 IGNORED = frozenset({"metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier", "reasoning",
                      "include", "stream_options", "background"})
@@ -363,18 +363,10 @@ async def response_events(reply: Reply, writer: EventWriter, store: ResponseStor
     finish_reason = None
     async for chunk in chat_chunks(reply.run, include_usage=False, finished=finished):
         for choice in chunk.choices:
-            delta = choice.delta
             events: list[str] = []
-            reasoning = reasoning_of(delta)
-            if reasoning:
-                events += writer.reasoning(reasoning)
-            if delta.content:
-                events += writer.text(delta.content)
-            for call in delta.tool_calls or ():
-                if call.id is not None:
-                    events += writer.call(call.id, call.function.name or "")
-                if call.function.arguments:
-                    events += writer.arguments(call.function.arguments)
+            for kind, text, call_id in delta_pieces(choice.delta):
+                events += (writer.call(call_id, text) if kind == "call" else
+                           {"reasoning": writer.reasoning, "text": writer.text, "arguments": writer.arguments}[kind](text))
             finish_reason = choice.finish_reason or finish_reason
             for event in events:
                 yield event

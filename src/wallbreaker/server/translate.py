@@ -52,6 +52,21 @@ def renamed_params(names: dict[str, str]) -> Iterator[None]:
         raise
 
 
+def delta_pieces(delta: Any) -> Iterator[tuple[str, str, str | None]]:
+    """A streamed chat delta as the pieces the other APIs stream, in order: ("reasoning", text),
+    ("text", text), ("call", name, call id) where a tool call starts, ("arguments", text)."""
+    reasoning = reasoning_of(delta)
+    if reasoning:
+        yield "reasoning", reasoning, None
+    if delta.content:
+        yield "text", delta.content, None
+    for call in delta.tool_calls or ():
+        if call.id is not None:
+            yield "call", call.function.name or "", call.id
+        if call.function.arguments:
+            yield "arguments", call.function.arguments, None
+
+
 def reasoning_of(message: Any) -> str | None:
     """The reasoning the chat answer (or a chunk's delta) carries apart from its content, where the
     model's reasoning is parsed out (`reasoning_content`); None where it is not."""
