@@ -15,7 +15,10 @@ from .errors import InvalidRequestError
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert")
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
 MAX_SIZE = 2**63
-LAYER_TYPES = ("full", "sliding")
+ATTENTION_LAYER_TYPES = ("full", "sliding")
+# recurrent layers (layers/recurrent.py): LFM2's gated short convolution, a Mamba2 mixer, a gated delta net
+RECURRENT_LAYER_TYPES = ("conv", "mamba2", "linear_attention")
+LAYER_TYPES = ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
 POOLING_METHODS = ("mean", "cls", "last")
 POOLING_TASKS = ("embed", "score")
@@ -169,7 +172,7 @@ class ModelConfig:
     embed_scale: bool = False  # multiply embeddings by sqrt(hidden_size)
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] = field(default=())  # per layer: "full" | "sliding"
+    layer_types: tuple[str, ...] = field(default=())  # per layer: LAYER_TYPES; () is all "full"
     rope_local_theta: float | None = None  # RoPE base of sliding layers
     # Gemma 2: tanh soft-capping, cap * tanh(x / cap), of the attention scores and the final logits
     attn_logit_softcap: float | None = None
@@ -253,6 +256,19 @@ class ModelConfig:
     @property
     def attn_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_attention(self, layer: int) -> bool:
+        return not self.layer_types or self.layer_types[layer] in ATTENTION_LAYER_TYPES
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (a hybrid's others keep a fixed-size state: layers/recurrent.py)."""
+        return sum(self.is_attention(i) for i in range(self.num_layers))
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether any layer keeps a recurrent state (kv/state_pool.py)."""
+        return self.num_attention_layers < self.num_layers
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"

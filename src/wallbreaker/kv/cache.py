@@ -44,7 +44,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        shape = (config.num_layers, 2, config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        shape = (config.num_attention_layers, 2, config.num_kv_heads, num_blocks * block_size, config.head_dim)
         self.tensor = lazy_zeros(shape, dtype, device)
         self.scales = lazy_zeros(shape[:-1], torch.float32, device) if dtype in QUANTIZED_KV_DTYPES else None
         self.offsets: torch.Tensor | None = None
@@ -136,8 +136,8 @@ def kv_bytes_per_position(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V of one token across all layers (every layer stores every position, sliding or not)."""
-    return config.num_layers * kv_bytes_per_position(config, dtype)
+    """K and V of one token across all attention layers (each stores every position, sliding or not)."""
+    return config.num_attention_layers * kv_bytes_per_position(config, dtype)
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _C
+from .recurrent import StateMetadata
 
 MAX_PAGED_QUERIES = 33  # a sequence with at most this many new tokens goes to the paged kernel
 
@@ -50,6 +51,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T]
     block_size: int  # tokens a KV block holds
     num_paged_tokens: int  # rows 0 .. num_paged_tokens - 1 belong to the paged-kernel sequences
+    state: "StateMetadata | None" = None  # recurrent layers' slots (layers/recurrent.py); None: the model has none
     _memo: dict = field(default_factory=dict, repr=False)  # per-step values every layer shares
 
     def rotary(self, rope, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

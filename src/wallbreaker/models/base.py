@@ -8,6 +8,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
 from ..layers.norm import RMSNorm
+from ..layers.recurrent import RecurrentMixer
 from .source import WeightSource
 
 
@@ -23,7 +24,8 @@ class CausalLM(nn.Module):
     """Token ids in, hidden states out (`forward`); hidden states to vocabulary logits (`logits`).
 
     `layer_class(cfg, i, src)` builds layer i; a layer maps (h, meta, delta) to (h, delta), the
-    residual add deferred to the next norm (`RMSNorm.add_and_norm`), and holds its attention as `attn`."""
+    residual add deferred to the next norm (`RMSNorm.add_and_norm`), and holds its attention as `attn`
+    (None or absent in a recurrent layer, whose state-keeping module is a `RecurrentMixer`)."""
 
     layer_class: type[nn.Module]
 
@@ -58,4 +60,9 @@ class CausalLM(nn.Module):
         return logits
 
     def attention_layers(self) -> list[nn.Module]:
-        return [layer.attn for layer in self.layers]
+        """The layers' attention modules, in order (a hybrid's recurrent layers have none)."""
+        return [layer.attn for layer in self.layers if getattr(layer, "attn", None) is not None]
+
+    def recurrent_layers(self) -> list[RecurrentMixer]:
+        """The modules that keep a recurrent state, in layer order (kv/state_pool.py binds them)."""
+        return [m for m in self.modules() if isinstance(m, RecurrentMixer)]

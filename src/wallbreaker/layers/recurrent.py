@@ -1,0 +1,108 @@
+"""Recurrent layers: a fixed-size state per sequence instead of a KV cache that grows.
+
+A short convolution (LFM2), a Mamba2 mixer (Granite-4.0-H, Mamba2) and a gated delta net
+(Qwen3-Next) each keep, per sequence, a few tensors that sum up everything before the next token.
+They live in the state pool (kv/state_pool.py): per recurrent layer, one tensor per state kind,
+[num_slots, *shape]. A sequence holds a slot as it holds a block table.
+
+States are written out of place. A step reads a sequence's state from one slot (`StateSpan.src`)
+and writes the states it must keep to others (`StateSpan.saves`); the scheduler then commits one
+of them and lets the old one go. So a failed step retried alone is exact, forks share a slot
+(copy-on-write for free: no one writes a slot that is read), speculative verification writes
+the state after each draft and keeps the one of the drafts accepted (no re-decoding), and the
+prefix cache keeps a slot as a checkpoint by holding a reference to it.
+
+Slot 0 is all zeros and never written: the state before a sequence's first token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .direct import DirectModule
+
+ZERO_SLOT = 0  # never written: every state kind is zero there, the state of an empty prefix
+
+
+@dataclass
+class StateSpan:
+    """One sequence's rows of a step, for its recurrent layers."""
+
+    start: int  # first of its rows in the flat batch
+    length: int  # rows (tokens) computed this step
+    src: int  # slot holding the state before its first row (ZERO_SLOT: nothing before it)
+    saves: list[tuple[int, int]]  # (k, slot), k ascending in 1..length: the state after its first k rows goes to slot
+
+
+@dataclass
+class StateMetadata:
+    """Where each sequence of a step reads and writes its recurrent state: one span per sequence,
+    in row order, covering every row of the flat batch."""
+
+    spans: list[StateSpan]
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def one_token_each(self) -> bool:
+        """Every sequence computes one token and keeps the state after it (a plain decode step)."""
+        if "one" not in self._memo:
+            self._memo["one"] = all(s.length == 1 and len(s.saves) == 1 for s in self.spans)
+        return self._memo["one"]
+
+    def slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B] source slots and [B] destination slots of a one-token-each step."""
+        if "slots" not in self._memo:
+            self._memo["slots"] = (torch.tensor([s.src for s in self.spans], device=device),
+                                   torch.tensor([s.saves[0][1] for s in self.spans], device=device))
+        return self._memo["slots"]
+
+
+# step: (inputs, each [B, ...]; states, each [B, *shape]) -> (outputs [B, ...], new states); one token per row
+# chunk: (inputs, each [L, ...] of one sequence; states, each [1, *shape]) -> (outputs [L, ...], new states)
+StepFn = Callable[[tuple[torch.Tensor, ...], list[torch.Tensor]], tuple[torch.Tensor, list[torch.Tensor]]]
+ChunkFn = StepFn
+
+
+def scan_spans(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[torch.Tensor, ...],
+               step: StepFn, chunk: ChunkFn) -> torch.Tensor:
+    """Run a recurrence over a step's rows: `inputs` are per-row tensors [T, ...] (what the layer's
+    input projection made), `pool` the layer's state tensors [num_slots, *shape]. Returns the
+    per-row outputs [T, ...], in row order.
+
+    `step` is the one-token form (a decode step: every sequence at once), `chunk` the form for
+    many tokens of one sequence (prefill). Neither may write the states it is given. A span is cut
+    at its save points; each piece runs from the state the previous one ended with."""
+    if meta.one_token_each:
+        src, dst = meta.slots(inputs[0].device)
+        out, new = step(inputs, [p[src] for p in pool])
+        for p, n in zip(pool, new):
+            p[dst] = n.to(p.dtype)
+        return out
+    outs: list[torch.Tensor] = []
+    for span in meta.spans:
+        states = [p[span.src:span.src + 1] for p in pool]
+        done = 0
+        for k, slot in [*span.saves, (span.length, -1)]:
+            if k > done:
+                rows = slice(span.start + done, span.start + k)
+                piece = tuple(x[rows] for x in inputs)
+                out, states = (step if k - done == 1 else chunk)(piece, states)
+                outs.append(out)
+                done = k
+            if slot >= 0:
+                for p, s in zip(pool, states):
+                    p[slot] = s[0].to(p.dtype)
+    return torch.cat(outs)
+
+
+class RecurrentMixer(DirectModule):
+    """The part of a layer that keeps a state (where another layer has attention). The runner binds
+    `state` to this layer's tensors in the state pool, as it binds an attention layer's `kv`."""
+
+    state: list[torch.Tensor] | None = None  # per state kind, [num_slots, *shape]
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of each state kind for one sequence (float32), in the order of `state`."""
+        raise NotImplementedError
