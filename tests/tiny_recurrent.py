@@ -1,0 +1,52 @@
+"""Tiny random-weight recurrent and hybrid models (LFM2, Granite-4.0-H, Mamba2, Qwen3-Next), built by
+transformers from a config, written as a Hugging Face folder with SmolLM2's tokenizer (one that
+llama.cpp's converter knows), and converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from wallbreaker.formats.packaged import packaged_model_path
+
+VOCAB = 49152  # SmolLM2's
+
+
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer as transformers builds it from the embedded GGUF."""
+    from transformers import AutoTokenizer
+    gguf = packaged_model_path("smollm2")
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def save_random_model(hf_config, out: Path, seed: int = 0) -> Path:
+    """A random-weight model of `hf_config` (a transformers config with vocab_size VOCAB) saved with
+    SmolLM2's tokenizer into `out`. Norm weights are moved away from their initial values so that
+    a norm left out shows in the logits."""
+    from transformers import AutoModelForCausalLM
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp)
+    smollm2_tokenizer().save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def load_reference(folder: Path):
+    """transformers' model from `folder`, float32, on its own torch path (the tests check that no
+    fused-kernel package is importable)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def no_fused_kernels() -> list[str]:
+    """The fused-kernel packages transformers would prefer over its torch path, where importable."""
+    import importlib.util
+    return [m for m in ("mamba_ssm", "causal_conv1d", "fla") if importlib.util.find_spec(m) is not None]
