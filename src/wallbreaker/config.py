@@ -12,7 +12,7 @@ import torch
 from .errors import InvalidRequestError
 
 # llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert", "qwen3next")
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
 MAX_SIZE = 2**63
 ATTENTION_LAYER_TYPES = ("full", "sliding")
@@ -195,6 +195,16 @@ class ModelConfig:
     type_vocab_size: int = 0
     sep_token_id: int | None = None
     num_labels: int = 0
+    # Qwen3-Next (models/qwen3_next.py): gated delta net layers ("linear_attention": linear_* sizes, a
+    # causal convolution of linear_conv_kernel taps), attention rotating only the first rotary_dim
+    # channels of a head (None: all), and a sigmoid-gated shared expert beside the routed ones
+    rotary_dim: int | None = None
+    linear_conv_kernel: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         """Refuse what no model can be, whichever loader read it: a loader turns the ValueError into
@@ -240,12 +250,32 @@ class ModelConfig:
         if any(t not in LAYER_TYPES for t in self.layer_types):
             bad = next(t for t in self.layer_types if t not in LAYER_TYPES)
             raise ConfigError("layer_types", f"layer_types must be {' or '.join(LAYER_TYPES)}, got {short_repr(bad)}")
+        self._check_qwen3next()
         if self.bos_token_id is not None:
             self._token_id("bos_token_id", self.bos_token_id)
         if not isinstance(self.eos_token_ids, tuple):
             raise ConfigError("eos_token_ids", f"eos_token_ids must be a tuple, got {short_repr(self.eos_token_ids)}")
         for i in self.eos_token_ids:
             self._token_id("eos_token_ids", i)
+
+    def _check_qwen3next(self) -> None:
+        if self.rotary_dim is not None:
+            _positive_int("rotary_dim", self.rotary_dim)
+            if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+                raise ConfigError("rotary_dim", f"rotary_dim must be even and at most head_dim ({self.head_dim}), "
+                                                f"got {self.rotary_dim}")
+        if self.shared_expert_intermediate_size:
+            _positive_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size)
+        if "linear_attention" in self.layer_types:
+            for name in ("linear_conv_kernel", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                         "linear_num_value_heads"):
+                _positive_int(name, getattr(self, name))
+            if self.linear_conv_kernel < 2:
+                raise ConfigError("linear_conv_kernel", f"linear_conv_kernel must be at least 2, got {self.linear_conv_kernel}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ConfigError("linear_num_value_heads", f"linear_num_value_heads ({self.linear_num_value_heads}) "
+                                                            f"must be a multiple of linear_num_key_heads "
+                                                            f"({self.linear_num_key_heads})")
 
     def _token_id(self, name: str, value: object) -> None:
         if not _is_int(value):

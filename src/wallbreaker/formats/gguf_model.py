@@ -13,6 +13,7 @@ from .chat_template import ChatTemplate
 from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor, open_gguf
 from .gguf_slice import block_loaders, part_loader
+from . import qwen3_next
 from .names import FUSED_GATE_UP, llama_unpermute
 from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef, check_weights, split_fused
@@ -85,8 +86,9 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError(
             f"{name}: unsupported architecture {short_repr(arch)} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     a = f"{arch}."
+    own = qwen3_next.GGUF_KEYS if arch == qwen3_next.ARCH else frozenset()
     for key in gf.metadata:
-        if not key.startswith(a) or key[len(a):] in _KNOWN_KEYS:
+        if not key.startswith(a) or key[len(a):] in _KNOWN_KEYS or key[len(a):] in own:
             continue
         neutral = _NEUTRAL_KEYS.get(key[len(a):], _REQUIRED)
         if neutral is _REQUIRED or gf.get(key) != neutral:
@@ -129,7 +131,8 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         integer(a + "vocab_size", None) or (len(tokens) if isinstance(tokens, list) else 0))
     # head_dim defaults to hidden / heads where both are usable; else ModelConfig names the bad one
     head_dim = integer(a + "attention.key_length", hidden // heads if heads > 0 and hidden > 0 else heads)
-    for key, what in (("attention.value_length", "a value head size"), ("rope.dimension_count", "partial RoPE")):
+    partial_rope = () if arch == qwen3_next.ARCH else (("rope.dimension_count", "partial RoPE"),)
+    for key, what in (("attention.value_length", "a value head size"), *partial_rope):
         value = integer(a + key, None)
         if value is not None and value != head_dim:  # our attention has one head size, rotated whole
             raise UnsupportedModelError(f"{name}: {what} is not supported: metadata {a}{key} is {value}, "
@@ -166,13 +169,15 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError(f"{name}: metadata {a}rope.freq_base_swa without a sliding window is not supported")
     if arch in ("qwen3", "qwen3moe"):
         extra["qk_norm"] = True
+    if arch == qwen3_next.ARCH:
+        extra.update(qwen3_next.config_from_gguf(gf, a, layers, integer))
     experts = integer(a + "expert_count", 0)
     if experts:
         expert_ff = integer(a + "expert_feed_forward_length", None)
         extra.update(num_experts=experts, num_experts_per_tok=integer(a + "expert_used_count"),
                      expert_intermediate_size=None if expert_ff == integer(a + "feed_forward_length", None) else expert_ff,
                      norm_topk_prob=boolean(a + "expert_weights_norm", True))
-    elif arch == "qwen3moe":
+    elif arch in ("qwen3moe", qwen3_next.ARCH):
         raise ModelFormatError(f"{name}: missing metadata key {a}expert_count")
     keys = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
             "num_layers": "block_count", "num_heads": "attention.head_count",

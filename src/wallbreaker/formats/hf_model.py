@@ -13,14 +13,16 @@ from safetensors import safe_open
 from ..config import ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
-from .names import GEMMA_ARCHITECTURES, hf_expert, hf_to_canonical_table, is_derived, is_norm
+from . import qwen3_next
+from .names import GEMMA_ARCHITECTURES, adds_one, hf_expert, hf_to_canonical_table, is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
 from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef, check_weights, split_fused, stacked_experts
 
 # model_type -> ModelConfig.architecture (llama.cpp's names: Mistral and Mixtral are llama)
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+                "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3",
+                "qwen3_next": "qwen3next"}
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -50,6 +52,8 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if quantized:
         weights.update(read_quantized_weights(path, config, hf["quantization_config"]))
     split_fused(str(path), config, weights)
+    if config.architecture == qwen3_next.ARCH:
+        qwen3_next.canonical_hf_weights(str(path), config, weights)
     check_weights(str(path), config, weights)
     tokenizer = Tokenizer.from_hf_folder(path)
     check_token_ids(tokenizer, config.vocab_size, str(path), "the embedding (config.json vocab_size)")
@@ -130,7 +134,7 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     def unsupported(what: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"{where}: {what} is not supported")
 
-    _refuse_unimplemented(hf, unsupported)
+    _refuse_unimplemented(qwen3_next.without_own_keys(hf) if arch == qwen3_next.ARCH else hf, unsupported)
     rope = obj("rope_parameters")
     global_rope = obj("full_attention", rope) if "full_attention" in rope else rope
     local_rope = obj("sliding_attention", rope)
@@ -168,6 +172,8 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
                      layer_types=_layer_types(hf, layers, where, "qwen" if arch.startswith("qwen") else "all"))
     if arch in ("qwen3", "qwen3moe"):
         extra["qk_norm"] = True
+    if arch == qwen3_next.ARCH:
+        extra.update(qwen3_next.config_from_hf(hf, where, unsupported))
     if model_type == "mixtral":
         extra.update(num_experts=hf.get("num_local_experts"), num_experts_per_tok=hf.get("num_experts_per_tok"))
     if arch == "qwen3moe":
@@ -334,8 +340,7 @@ def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path,
                     continue
                 raise ModelFormatError(f"{file.name}: tensor {hf_name!r} is not used by the {cfg.architecture} "
                                        f"architecture; refusing to run the model without it")
-            ref = _tensor_ref(handle, hf_name, name or hf_name,
-                              cfg.architecture in GEMMA_ARCHITECTURES and name is not None and is_norm(name))
+            ref = _tensor_ref(handle, hf_name, name or hf_name, name is not None and adds_one(cfg.architecture, name))
             if expert is None:
                 weights[name] = ref
             else:

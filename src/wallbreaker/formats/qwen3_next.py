@@ -20,10 +20,6 @@ from .weights import WeightRef
 
 ARCH = "qwen3next"
 
-# config.json keys of a Qwen3-Next that the generic reader does not read: read here.
-HF_KEYS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-           "linear_num_value_heads", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-           "full_attention_interval", "layer_types", "moe_intermediate_size", "num_experts")
 # llama.cpp's `qwen3next.*` metadata keys read here (beside the generic ones).
 GGUF_KEYS = frozenset({"ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
                        "ssm.inner_size", "attention.recurrent_layers", "full_attention_interval",
@@ -105,8 +101,19 @@ def _layer_types_from(recurrent: list[bool]) -> tuple[str, ...]:
     return tuple("linear_attention" if r else "full" for r in recurrent)
 
 
+def without_own_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json less the keys that the generic reader refuses and `config_from_hf` reads here
+    (partial RoPE, the shared expert), for the generic refusals of the rest."""
+    hf = {k: v for k, v in hf.items() if k not in ("partial_rotary_factor", "shared_expert_intermediate_size")}
+    if isinstance(hf.get("rope_parameters"), dict):
+        hf["rope_parameters"] = {k: v for k, v in hf["rope_parameters"].items() if k != "partial_rotary_factor"}
+    return hf
+
+
 def config_from_hf(hf: dict[str, Any], where: str, unsupported) -> dict[str, Any]:
     """The ModelConfig fields of a Qwen3-Next config.json beyond the generic ones."""
+    if hf.get("attention_bias"):
+        raise unsupported("attention_bias true (Qwen3-Next's projections have no biases)")
     layers = hf.get("num_hidden_layers")
     step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
     if step not in (1, None) or only:

@@ -88,7 +88,10 @@ def stacked_experts(name: str, experts: list[WeightRef]) -> WeightRef:
 
 def split_fused(source: str, cfg: ModelConfig, weights: dict[str, WeightRef]) -> None:
     """Phi-3's fused projections, `blk.N.attn_qkv.weight` and `blk.N.ffn_gate_up.weight`, replaced in
-    place by row views under the separate projections' names (which the model and the checks read)."""
+    place by row views under the separate projections' names (which the model and the checks read).
+    (Qwen3-Next's `attn_qkv` is its delta net's q/k/v, read as it is.)"""
+    if cfg.architecture == "qwen3next":
+        return
     q, kv, ff = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
@@ -127,6 +130,9 @@ class ModelFiles:
 
 def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Every tensor layer i of `cfg` reads, canonical name -> shape."""
+    if cfg.architecture == "qwen3next":
+        from . import qwen3_next
+        return qwen3_next.layer_tensors(cfg, i)
     h, q, kv, ff = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     p = f"blk.{i}."
     expected = {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),

@@ -12,11 +12,13 @@ from .base import CausalLM
 from .bert import BertModel
 from .gemma import GemmaCausalLM
 from .llama import LlamaCausalLM
+from .qwen3_next import Qwen3NextCausalLM
 from .source import WeightSource
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "llama": LlamaCausalLM, "qwen2": LlamaCausalLM, "qwen3": LlamaCausalLM, "qwen3moe": LlamaCausalLM,
     "phi3": LlamaCausalLM, "gemma2": GemmaCausalLM, "gemma3": GemmaCausalLM, "bert": BertModel,
+    "qwen3next": Qwen3NextCausalLM,
 }  # mixtures of experts (Mixtral is llama, Qwen3-MoE qwen3moe) swap the MLP: models/moe.py
 
 
