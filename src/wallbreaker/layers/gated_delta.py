@@ -19,7 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import _C
 from .recurrent import RecurrentMixer, scan_spans
+
+_delta_step = _C.delta_step
 
 CHUNK = 64  # tokens a chunk of the chunked form condenses into matrix products
 L2_EPS = 1e-6  # as transformers' (and FLA's) l2norm: x * rsqrt(sum(x^2) + eps)
@@ -62,7 +65,7 @@ class GatedDeltaNet(RecurrentMixer):
         ba = ba.view(rows, self.num_k_heads, 2, self.num_v_heads // self.num_k_heads)
         b, a = ba[:, :, 0].reshape(rows, -1), ba[:, :, 1].reshape(rows, -1)
         g = self.a_coef * F.softplus(a + self.dt_bias)  # [T, v_heads], log of the decay
-        out = scan_spans(meta.state, self.state, (qkv, g, torch.sigmoid(b)), self.step, self.chunk)
+        out = scan_spans(meta.state, self.state, (qkv, g, torch.sigmoid(b)), self.step, self.chunk, self.step_in_pool)
         return self.out_proj(self._gated_norm(out, z))
 
     def _gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -94,6 +97,16 @@ class GatedDeltaNet(RecurrentMixer):
         s = s + k[..., None] * ((v - predicted) * beta[..., None])[:, :, None, :]
         out = (s * q[..., None]).sum(-2)
         return out.flatten(1), [window[:, :, 1:], s]
+
+    def step_in_pool(self, inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """`step` on the pool itself: states read from slots `src`, the new ones written to `dst`
+        (the recurrence in C++, `_C.delta_step`, without gathering and scattering the matrices)."""
+        qkv, g, beta = inputs
+        conv, s = self.state
+        window = torch.cat([conv[src], qkv[:, :, None]], dim=-1)
+        conv[dst] = window[:, :, 1:]
+        q, k, v = (t.contiguous() for t in self._heads(F.silu((window * self.conv_weight).sum(-1))))
+        return _delta_step(s, src, dst, q, k, v, g.contiguous(), beta.contiguous()).flatten(1)
 
     def chunk(self, inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """L tokens of one sequence: qkv [L, channels], g and beta [L, v_heads]; states [1, ...]."""
