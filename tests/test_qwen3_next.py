@@ -13,7 +13,7 @@ import torch
 from tiny_recurrent import load_reference, no_fused_kernels, save_random_model, tiny_config
 
 from wallbreaker import LLM, SamplingParams
-from wallbreaker.errors import UnsupportedModelError
+from wallbreaker.errors import ModelFormatError, UnsupportedModelError
 
 TEXT = ("A paged cache keeps keys and values in fixed blocks, so that many sequences can share one pool. "
         "The quick brown fox jumps over the lazy dog; def main(): return x + y. A recurrent layer keeps "
@@ -123,4 +123,18 @@ def test_what_we_do_not_run_is_refused(hf_dir, tmp_path, key, value):
     config[key] = value
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=key):
+        LLM(str(folder), dtype="float32", kv_cache_memory_gb=0.05)
+
+
+@pytest.mark.parametrize("key, value", [("linear_num_value_heads", 3), ("linear_conv_kernel_dim", 1),
+                                        ("partial_rotary_factor", 0.1), ("layer_types", ["mamba"] * 4)])
+def test_impossible_values_are_named(hf_dir, tmp_path, key, value):
+    folder = tmp_path / "model"
+    shutil.copytree(hf_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config[key] = value
+    if key == "partial_rotary_factor":  # 16 * 0.1: an odd number of channels to rotate
+        config["rope_parameters"][key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFormatError, match=key):
         LLM(str(folder), dtype="float32", kv_cache_memory_gb=0.05)

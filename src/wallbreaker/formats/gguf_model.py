@@ -188,7 +188,7 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
             "layer_types": "attention.sliding_window_pattern", "rope_local_theta": "rope.freq_base_swa",
             "attn_logit_softcap": "attn_logit_softcapping", "final_logit_softcap": "final_logit_softcapping",
             "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
-            "expert_intermediate_size": "expert_feed_forward_length"}
+            "expert_intermediate_size": "expert_feed_forward_length", **qwen3_next.GGUF_FIELD_KEYS}
     ff = integer(a + "feed_forward_length", None if experts else _REQUIRED)
     if ff is None:  # an MoE file may give only the experts' width
         ff = integer(a + "expert_feed_forward_length")

@@ -98,6 +98,7 @@ _HF_KEYS = {
     "num_experts_per_tok": "num_experts_per_tok", "expert_intermediate_size": "moe_intermediate_size",
     "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act",
 }
+_HF_KEYS.update(qwen3_next.HF_FIELD_KEYS)
 _REQUIRED = object()
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # RoPE parameters we read; any other key in them changes the rotation in a way we do not run.

@@ -24,6 +24,15 @@ ARCH = "qwen3next"
 GGUF_KEYS = frozenset({"ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
                        "ssm.inner_size", "attention.recurrent_layers", "full_attention_interval",
                        "expert_shared_feed_forward_length"})
+# ModelConfig field -> the key it is read from, to name the key in errors
+HF_FIELD_KEYS = {"rotary_dim": "partial_rotary_factor", "linear_conv_kernel": "linear_conv_kernel_dim",
+                 "linear_key_head_dim": "linear_key_head_dim", "linear_value_head_dim": "linear_value_head_dim",
+                 "linear_num_key_heads": "linear_num_key_heads", "linear_num_value_heads": "linear_num_value_heads",
+                 "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
+GGUF_FIELD_KEYS = {"rotary_dim": "rope.dimension_count", "linear_conv_kernel": "ssm.conv_kernel",
+                   "linear_key_head_dim": "ssm.state_size", "linear_value_head_dim": "ssm.inner_size",
+                   "linear_num_key_heads": "ssm.group_count", "linear_num_value_heads": "ssm.time_step_rank",
+                   "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # transformers' and llama.cpp's: every fourth layer has attention
 
 
@@ -124,6 +133,8 @@ def config_from_hf(hf: dict[str, Any], where: str, unsupported) -> dict[str, Any
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     head_dim = hf.get("head_dim")
+    if head_dim is None:  # transformers' default is 256 here, not hidden_size / heads: say it
+        raise ModelFormatError(f"{where}: missing key 'head_dim'")
     if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
         raise ModelFormatError(f"{where}: partial_rotary_factor must be in (0, 1], got {short_repr(partial)}")
     given = hf.get("layer_types")
@@ -143,7 +154,8 @@ def config_from_hf(hf: dict[str, Any], where: str, unsupported) -> dict[str, Any
                 num_experts_per_tok=hf.get("num_experts_per_tok"),
                 expert_intermediate_size=hf.get("moe_intermediate_size"),
                 norm_topk_prob=hf.get("norm_topk_prob", True),
-                rotary_dim=int(head_dim * partial) if isinstance(head_dim, int) else None,
+                rotary_dim=int(head_dim * partial) if isinstance(head_dim, int) and not isinstance(head_dim, bool)
+                else head_dim,
                 linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
                 linear_key_head_dim=hf.get("linear_key_head_dim", 128),
                 linear_value_head_dim=hf.get("linear_value_head_dim", 128),
