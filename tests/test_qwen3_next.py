@@ -138,3 +138,17 @@ def test_impossible_values_are_named(hf_dir, tmp_path, key, value):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelFormatError, match=key):
         LLM(str(folder), dtype="float32", kv_cache_memory_gb=0.05)
+
+
+def test_our_gguf_writer_round_trips(gguf_of, tmp_path):
+    """formats/gguf_writer.py writes what llama.cpp's converter wrote: the same config and tensors."""
+    from wallbreaker.formats import open_model
+    from wallbreaker.formats.gguf_writer import write_gguf
+    from wallbreaker.quant.export import gguf_tokenizer_metadata
+    converted = open_model(str(gguf_of("f32")))
+    ours = write_gguf(tmp_path / "ours.gguf", converted.config, {n: r.load() for n, r in converted.weights.items()},
+                      gguf_tokenizer_metadata(converted.metadata))
+    again = open_model(str(ours))
+    assert again.config == converted.config
+    assert all(torch.equal(r.load(), converted.weights[n].load()) for n, r in again.weights.items())
+    assert set(again.weights) == set(converted.weights)

@@ -197,7 +197,7 @@ def _add_architecture(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
                        (w.add_embedding_length, c.hidden_size), (w.add_block_count, c.num_layers),
                        (w.add_feed_forward_length, c.intermediate_size), (w.add_head_count, c.num_heads),
                        (w.add_head_count_kv, c.num_kv_heads), (w.add_key_length, c.head_dim),
-                       (w.add_value_length, c.head_dim), (w.add_rope_dimension_count, c.head_dim),
+                       (w.add_value_length, c.head_dim), (w.add_rope_dimension_count, c.rotary_dim or c.head_dim),
                        (w.add_rope_freq_base, c.rope_theta), (w.add_layer_norm_rms_eps, c.rms_norm_eps)):
         add(value)
     s = c.rope_scaling
@@ -238,6 +238,9 @@ def _add_architecture(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
         writer.add_expert_used_count(c.num_experts_per_tok)
         writer.add_expert_feed_forward_length(c.expert_ffn)
         writer.add_expert_weights_norm(c.norm_topk_prob)
+    if c.architecture == "qwen3next":
+        from . import qwen3_next
+        qwen3_next.add_gguf_keys(writer, c)
 
 
 def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:

@@ -188,3 +188,14 @@ def config_from_gguf(gf, a: str, layers: int, integer) -> dict[str, Any]:
                 linear_value_head_dim=inner // v_heads, linear_num_key_heads=integer(a + "ssm.group_count"),
                 linear_num_value_heads=v_heads,
                 shared_expert_intermediate_size=integer(a + "expert_shared_feed_forward_length"))
+
+
+def add_gguf_keys(writer, c: ModelConfig) -> None:
+    """The `qwen3next.*` keys llama.cpp's converter writes (formats/gguf_writer.py writes the rest)."""
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel)
+    writer.add_ssm_state_size(c.linear_key_head_dim)
+    writer.add_ssm_group_count(c.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(c.linear_num_value_heads)
+    writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    writer.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
