@@ -152,3 +152,36 @@ def test_our_gguf_writer_round_trips(gguf_of, tmp_path):
     assert again.config == converted.config
     assert all(torch.equal(r.load(), converted.weights[n].load()) for n, r in again.weights.items())
     assert set(again.weights) == set(converted.weights)
+
+
+@pytest.fixture(scope="session")
+def with_mtp(hf_dir):
+    """The folder plus a multi-token prediction head as Qwen3-Next checkpoints carry one (`mtp.*`: a
+    decoder layer, here a copy of the attention layer's tensors, and its projections and norms)."""
+    from safetensors.torch import load_file, save_file
+    folder = hf_dir.parent / "with-mtp"
+    if not folder.is_dir():
+        shutil.copytree(hf_dir, folder)
+        state = load_file(folder / "model.safetensors")
+        hidden = state["model.norm.weight"].shape[0]
+        mtp = {k.replace("model.layers.3.", "mtp.layers.0."): v.clone() for k, v in state.items()
+               if k.startswith("model.layers.3.")}
+        mtp.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.randn(hidden),
+                    "mtp.pre_fc_norm_embedding.weight": torch.randn(hidden),
+                    "mtp.pre_fc_norm_hidden.weight": torch.randn(hidden)})
+        save_file({**state, **mtp}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_multi_token_prediction_head_is_left_unread(with_mtp, llamacpp_converter, reference):
+    """In a folder (`mtp.*`) and in the converter's GGUF made without --no-mtp (layers after the
+    model's own, `nextn_predict_layers`), the model reads as without it."""
+    from llamacpp_converter import convert
+    import gguf
+    converted = convert(llamacpp_converter, with_mtp, "f32", with_mtp.parent / "with-mtp-f32.gguf")
+    reader = gguf.GGUFReader(converted)
+    assert reader.fields["qwen3next.nextn_predict_layers"].contents() == 1
+    for source in (with_mtp, converted):
+        llm = LLM(str(source), dtype="float32", kv_cache_memory_gb=0.05)
+        assert llm.model_config.num_layers == 4
+        assert relative_error(llm, reference, llm.tokenizer.encode(TEXT)) < 1e-4

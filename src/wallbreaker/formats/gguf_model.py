@@ -56,6 +56,8 @@ def read_gguf_model(path: Path) -> ModelFiles:
             if f"blk.{i}.ffn_up.weight" in weights:
                 ref = weights.pop(f"blk.{i}.ffn_up.weight")
                 weights[f"blk.{i}.{FUSED_GATE_UP}"] = ref
+    if config.architecture == qwen3_next.ARCH:
+        qwen3_next.drop_mtp_layers(config, weights)
     split_fused(label, config, weights)
     check_weights(label, config, weights)
     try:
@@ -122,6 +124,8 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     hidden = integer(a + "embedding_length")
     heads = integer(a + "attention.head_count")
     layers = integer(a + "block_count")
+    if arch == qwen3_next.ARCH:  # the converter counts the multi-token prediction layers in block_count
+        layers -= integer(a + "nextn_predict_layers", 0)
     if layers > len(gf.tensors):  # before anything is built per layer
         raise ModelFormatError(f"{name}: metadata {a}block_count is {layers} but the file has only "
                                f"{len(gf.tensors)} tensors")

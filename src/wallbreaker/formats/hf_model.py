@@ -337,7 +337,7 @@ def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path,
             name = table.get(hf_name)
             expert = hf_expert(cfg.architecture, hf_name) if name is None and cfg.is_moe else None
             if name is None and expert is None:
-                if is_derived(hf_name) or (quantized and hf_name.rsplit(".", 1)[-1] in QUANTIZED_PARTS):
+                if is_derived(hf_name) or qwen3_next.is_mtp(cfg.architecture, hf_name) or (quantized and hf_name.rsplit(".", 1)[-1] in QUANTIZED_PARTS):
                     continue
                 raise ModelFormatError(f"{file.name}: tensor {hf_name!r} is not used by the {cfg.architecture} "
                                        f"architecture; refusing to run the model without it")

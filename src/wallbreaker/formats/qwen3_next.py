@@ -21,7 +21,7 @@ from .weights import WeightRef
 ARCH = "qwen3next"
 
 # llama.cpp's `qwen3next.*` metadata keys read here (beside the generic ones).
-GGUF_KEYS = frozenset({"ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
+GGUF_KEYS = frozenset({"nextn_predict_layers", "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
                        "ssm.inner_size", "attention.recurrent_layers", "full_attention_interval",
                        "expert_shared_feed_forward_length"})
 # ModelConfig field -> the key it is read from, to name the key in errors
@@ -34,6 +34,21 @@ GGUF_FIELD_KEYS = {"rotary_dim": "rope.dimension_count", "linear_conv_kernel": "
                    "linear_num_key_heads": "ssm.group_count", "linear_num_value_heads": "ssm.time_step_rank",
                    "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # transformers' and llama.cpp's: every fourth layer has attention
+
+
+def is_mtp(architecture: str, hf_name: str) -> bool:
+    """A tensor of Qwen3-Next's multi-token prediction head (`mtp.*`): a draft for speculation that
+    the model's own output never reads (transformers skips them too); left unread."""
+    return architecture == ARCH and hf_name.startswith("mtp.")
+
+
+def drop_mtp_layers(cfg: ModelConfig, weights: dict[str, WeightRef]) -> None:
+    """The converter's GGUF carries the multi-token prediction head as layers after the model's own
+    (`nextn_predict_layers` of them, counted in block_count): left unread, as a folder's `mtp.*`."""
+    for name in [n for n in weights if n.startswith("blk.")]:
+        layer = name.split(".", 2)[1]
+        if layer.isdigit() and int(layer) >= cfg.num_layers:
+            del weights[name]
 
 
 def qkvz_rows(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,10 +183,12 @@ def config_from_gguf(gf, a: str, layers: int, integer) -> dict[str, Any]:
     """The ModelConfig fields of a `qwen3next` GGUF beyond the generic ones."""
     name = gf.path.name
     recurrent = gf.get(a + "attention.recurrent_layers")
+    blocks = layers + integer(a + "nextn_predict_layers", 0)  # the MTP layers have their entries too
     if recurrent is not None:
-        if not (isinstance(recurrent, list) and len(recurrent) == layers and all(isinstance(r, bool) for r in recurrent)):
+        if not (isinstance(recurrent, list) and len(recurrent) == blocks and all(isinstance(r, bool) for r in recurrent)):
             raise ModelFormatError(f"{name}: metadata {a}attention.recurrent_layers must be one true or false a "
-                                   f"layer ({layers}), got {short_repr(recurrent)}")
+                                   f"block ({blocks}), got {short_repr(recurrent)}")
+        recurrent = recurrent[:layers]
     else:
         interval = integer(a + "full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL)
         if interval < 1:
