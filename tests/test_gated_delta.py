@@ -15,7 +15,7 @@ from wallbreaker.layers.linear import Linear
 from wallbreaker.layers.recurrent import StateMetadata, StateSpan
 
 HIDDEN, K_HEADS, V_HEADS, K_DIM, V_DIM, KERNEL = 64, 2, 4, 16, 8, 4
-SLOTS = 8
+SLOTS = 16
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,14 @@ def test_pieces_continue_from_saved_states(pair):
     # after 2 (one row: the one-token form)
     _close(_run(ours, x[5:40], [StateSpan(0, 35, 2, [(35, 5)])]), expected[5:40])
     _close(_run(ours, x[2:3], [StateSpan(0, 1, 1, [])]), expected[2:3])
+    # a span that keeps the state after each of its tokens (speculative verification), then two
+    # short spans in one step, from two of those states
+    _close(_run(ours, x[40:45], [StateSpan(0, 5, 5, [(k, 6 + k) for k in range(1, 6)])]), expected[40:45])
+    both = _run(ours, torch.cat([x[43:46], x[41:44]]), [StateSpan(0, 3, 9, [(3, 13)]), StateSpan(3, 3, 7, [(2, 14)])])
+    _close(both, torch.cat([expected[43:46], expected[41:44]]))
+    for p in pool:
+        torch.testing.assert_close(p[14], p[9], rtol=1e-4, atol=1e-5)
+    _close(_run(ours, x[43:60], [StateSpan(0, 17, 9, [(17, 15)])]), expected[43:60])
     # the state after the whole prompt does not depend on the cut
     _run(ours, x, [StateSpan(0, 160, 0, [(160, 6)])])
     for p in pool:

@@ -99,14 +99,19 @@ class GatedDeltaNet(RecurrentMixer):
         return out.flatten(1), [window[:, :, 1:], s]
 
     def step_in_pool(self, inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-        """`step` on the pool itself: states read from slots `src`, the new ones written to `dst`
-        (the recurrence in C++, `_C.delta_step`, without gathering and scattering the matrices)."""
+        """T tokens of each of B sequences on the pool itself: qkv [B, T, channels], g and beta
+        [B, T, v_heads]; states read from slots `src` [B], the state after token t written to slot
+        dst[b, t] where that is not -1. The recurrence runs in C++ (`_C.delta_step`), without
+        gathering and scattering the matrices; outputs [B, T, v_heads * v_dim]."""
         qkv, g, beta = inputs
         conv, s = self.state
-        window = torch.cat([conv[src], qkv[:, :, None]], dim=-1)
-        conv[dst] = window[:, :, 1:]
-        q, k, v = (t.contiguous() for t in self._heads(F.silu((window * self.conv_weight).sum(-1))))
-        return _delta_step(s, src, dst, q, k, v, g.contiguous(), beta.contiguous()).flatten(1)
+        x = torch.cat([conv[src], qkv.transpose(1, 2)], dim=-1)  # [B, channels, kernel - 1 + T]
+        conv_out = (x.unfold(-1, self.kernel, 1) * self.conv_weight[:, None, :]).sum(-1)  # [B, channels, T]
+        keep = dst >= 0
+        after = x.unfold(-1, self.kernel - 1, 1)[:, :, 1:]  # [B, channels, T, kernel - 1]: after each token
+        conv[dst[keep]] = after.transpose(1, 2)[keep]
+        q, k, v = (t.contiguous() for t in self._heads(F.silu(conv_out.transpose(1, 2))))
+        return _delta_step(s, src, dst, q, k, v, g.contiguous(), beta.contiguous()).flatten(2)
 
     def chunk(self, inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """L tokens of one sequence: qkv [L, channels], g and beta [L, v_heads]; states [1, ...]."""
