@@ -42,8 +42,9 @@ class GatedDeltaNet(RecurrentMixer):
                  norm_weight: torch.Tensor, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, eps: float):
         super().__init__()
         self.in_proj, self.out_proj = in_proj, out_proj
-        self.conv_weight = conv_weight.float()  # [channels, kernel]
-        self.a_coef, self.dt_bias, self.norm_weight = a_coef.float(), dt_bias.float(), norm_weight.float()
+        for name, value in (("conv_weight", conv_weight), ("a_coef", a_coef), ("dt_bias", dt_bias),
+                            ("norm_weight", norm_weight)):  # float32 on every path, as the states
+            self.register_buffer(name, value.float(), persistent=False)
         self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim, self.eps = num_k_heads, num_v_heads, k_dim, v_dim, eps
         self.key_size, self.value_size = num_k_heads * k_dim, num_v_heads * v_dim
         self.channels = 2 * self.key_size + self.value_size
@@ -72,7 +73,7 @@ class GatedDeltaNet(RecurrentMixer):
         """RMS norm over each head's values (weight as stored, not 1 + w), times silu(z)."""
         o = out.view(out.shape[0], self.num_v_heads, self.v_dim)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
-        return (o.flatten(1) * F.silu(z)).to(out.dtype)
+        return o.flatten(1) * F.silu(z)
 
     def _heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[..., channels] after the convolution -> q, k [..., v_heads, k_dim] (normalized, q scaled,
