@@ -325,6 +325,9 @@ class EngineConfig:
     # Sessions are written only when asked for (LLM.save_prefix, the server's /sessions), tier or not.
     kv_cache_disk_dir: str | None = None
     kv_cache_disk_gb: float = 0.0
+    # Recurrent layers' states the prefix cache may keep as checkpoints (kv/state_pool.py); None: one
+    # per max_num_seqs. They share kv_cache_memory_gb with the KV pages.
+    prefix_state_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -345,6 +348,8 @@ class EngineConfig:
             raise InvalidRequestError("speculative_method='draft' needs speculative_model (a path or packaged name)")
         if self.speculative_method and not 1 <= self.num_speculative_tokens <= 32:
             raise InvalidRequestError("num_speculative_tokens must be between 1 and 32")
+        if self.prefix_state_slots is not None and (not _is_int(self.prefix_state_slots) or self.prefix_state_slots < 0):
+            raise InvalidRequestError("prefix_state_slots must be a non-negative integer")
         if int(self.tensor_parallel_size) < 1:
             raise InvalidRequestError("tensor_parallel_size must be at least 1")
         if not self.tensor_parallel_timeout_s > 0:

@@ -25,10 +25,11 @@ from .formats import ModelFiles, open_model
 from .formats.packaged import cache_dir
 from .kernels.repack_cache import source_identity
 from .kv import BlockManager, BlockPool
-from .kv.cache import default_num_blocks, make_kv_cache
+from .kv.cache import default_num_blocks, make_kv_cache, memory_budget
 from .kv.disk_cache import DiskKVCache
 from .kv.kv_file import engine_fingerprint
 from .kv.sessions import SessionInfo, SessionStore
+from .kv.state_pool import StatePool, size_state_pool
 from .layers.linear import mapped_bytes, module_bytes
 from .layers.shard import check_splittable
 from .models import load_model
@@ -84,19 +85,25 @@ class LLM:
         bs = self.config.kv_block_size
         max_len = min(self.config.max_model_len or files.config.max_position_embeddings,
                       files.config.max_position_embeddings)
-        num_blocks = self._num_blocks(max_len, files.weight_bytes)
-        max_len = self._fit_context(max_len, num_blocks * bs)
-        self.max_model_len = max_len
         vocab_limit = self.tokenizer.vocab_size
         if files.config.pooling is not None and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError("pooling models (embeddings, rerankers) run without tensor parallelism")
+        if files.config.is_recurrent and self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError("recurrent and hybrid models run without tensor parallelism (not yet)")
+        self.states: StatePool | None = None
         if self.config.tensor_parallel_size == 1:
             self.model = load_model(files, self.config, device)
+            self.states = self._state_pool(files.weight_bytes, device)
+            num_blocks = self._num_blocks(max_len, files.weight_bytes)
+            max_len = self._fit_context(max_len, num_blocks * bs)
             self.kv_cache = make_kv_cache(files.config, self.config, num_blocks, device)
-            runner = ModelRunner(self.model, self.kv_cache, device, vocab_limit)
+            runner = ModelRunner(self.model, self.kv_cache, device, vocab_limit, self.states)
         else:
+            num_blocks = self._num_blocks(max_len, files.weight_bytes)
+            max_len = self._fit_context(max_len, num_blocks * bs)
             runner = self._start_tensor_parallel(files, num_blocks, vocab_limit)
             self.model, self.kv_cache = runner.model, runner.kv_cache
+        self.max_model_len = max_len
         self.kv_disk, sessions = self._disk_tier()
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
         structured = StructuredOutputs(self.tokenizer, eos)
@@ -105,7 +112,7 @@ class LLM:
         governor = None
         if self.config.num_threads is None and self.config.tensor_parallel_size == 1:
             governor = ThreadGovernor(torch.get_num_threads())
-        self.engine = LLMEngine(runner, self.tokenizer, self._scheduler(num_blocks, max_len, self.kv_disk), eos,
+        self.engine = LLMEngine(runner, self.tokenizer, self._scheduler(num_blocks, max_len, self.kv_disk, self.states), eos,
                                 structured, speculator, governor, sessions)
         self.weight_bytes = module_bytes(self.model)
         self.weight_bytes_mapped = mapped_bytes(self.model)  # read from the model file or the repack cache
@@ -126,23 +133,45 @@ class LLM:
         return pool_tokens
 
     def _num_blocks(self, max_len: int, weight_bytes: int) -> int:
-        """KV blocks for the whole model (under tensor parallelism each rank holds its heads' share)."""
+        """KV blocks for the whole model (under tensor parallelism each rank holds its heads' share),
+        in what the state pool leaves of the budget."""
         c = self.config
         return default_num_blocks(self.model_config, c.kv_block_size, c.kv_cache_torch_dtype, c.kv_cache_memory_gb,
-                                  c.max_num_seqs * max_len, weight_bytes)
+                                  c.max_num_seqs * max_len, weight_bytes,
+                                  self.states.nbytes if self.states is not None else 0)
 
-    def _scheduler(self, num_blocks: int, max_len: int, disk: DiskKVCache | None = None) -> Scheduler:
+    def _state_pool(self, weight_bytes: int, device: torch.device) -> StatePool | None:
+        """The recurrent layers' state pool (None: the model has none), sized for `max_num_seqs`
+        sequences and the prefix cache's share (`prefix_state_slots`, by default one per sequence)
+        within the memory budget: all of it for a model without attention, half for a hybrid."""
+        shapes = [m.state_shapes() for m in self.model.recurrent_layers()]
+        if not shapes:
+            return None
+        c = self.config
+        budget = memory_budget(c.kv_cache_memory_gb, weight_bytes)
+        if self.model_config.num_attention_layers:
+            budget /= 2
+        checkpoints = 0
+        if c.enable_prefix_caching:
+            checkpoints = c.max_num_seqs if c.prefix_state_slots is None else c.prefix_state_slots
+        spec = c.num_speculative_tokens if c.speculative_method else 0
+        slots, checkpoints = size_state_pool(shapes, c.max_num_seqs, spec, checkpoints, budget)
+        return StatePool(shapes, slots, checkpoints, device)
+
+    def _scheduler(self, num_blocks: int, max_len: int, disk: DiskKVCache | None = None,
+                   states: StatePool | None = None) -> Scheduler:
         c = self.config
         pool = BlockPool(num_blocks, c.enable_prefix_caching)
-        return Scheduler(BlockManager(pool, c.kv_block_size, disk), c.max_num_seqs, c.max_num_batched_tokens, max_len)
+        return Scheduler(BlockManager(pool, c.kv_block_size, disk, states), c.max_num_seqs, c.max_num_batched_tokens,
+                         max_len)
 
     def _disk_tier(self) -> tuple[DiskKVCache | None, SessionStore | None]:
         """The prefix cache's disk tier (where `kv_cache_disk_gb` > 0) and the saved sessions'
         store, in `kv_cache_disk_dir`; neither under tensor parallelism (each rank would need its
         shard read and written: not yet), nor without the prefix cache."""
         c = self.config
-        if c.tensor_parallel_size > 1 or not c.enable_prefix_caching:
-            return None, None
+        if c.tensor_parallel_size > 1 or not c.enable_prefix_caching or self.states is not None:
+            return None, None  # recurrent states are not written to disk (not yet)
         root = Path(c.kv_cache_disk_dir) if c.kv_cache_disk_dir else cache_dir() / "kv"
         layers, _, heads, _, head_dim = self.kv_cache.tensor.shape
         fingerprint = engine_fingerprint(source_identity(self.model_path), c.dtype,
@@ -199,6 +228,9 @@ class LLM:
         c = self.config
         files = open_model(c.speculative_model)
         check_vocabularies(self.tokenizer, files.tokenizer)
+        if files.config.is_recurrent:
+            raise InvalidRequestError("a draft model with recurrent layers is not supported: its state cannot go "
+                                      "back to the tokens its target kept (the target may be recurrent)")
         config = dataclasses.replace(c, model=c.speculative_model, kv_cache_dtype="auto", speculative_method=None,
                                      speculative_model=None, tensor_parallel_size=1)
         device = torch.device(c.device)

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kv import KVCache
+from ..kv.state_pool import StatePool
 from ..layers.attention import MAX_PAGED_QUERIES, AttentionMetadata, PrefillSpan
+from ..layers.recurrent import StateMetadata, StateSpan
 from ..models.base import CausalLM
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -24,12 +26,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, vocab_limit: int | None = None):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, vocab_limit: int | None = None,
+                 states: StatePool | None = None):
         """`vocab_limit`: token ids at or past it never come out of a step, because an embedding
         padded past the tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens) has rows that no text
-        stands for. None: the model's vocabulary (a tensor-parallel worker, which never samples)."""
+        stands for. None: the model's vocabulary (a tensor-parallel worker, which never samples).
+        `states`: the recurrent layers' state pool, where the model has any."""
         self.model = model
         self.kv_cache = kv_cache
+        self.states = states
         self.block_size = kv_cache.block_size
         self.device = device
         self.vocab_limit = min(vocab_limit or model.config.vocab_size, model.config.vocab_size)
@@ -37,6 +42,9 @@ class ModelRunner:
         kv_cache.set_offsets([attn.kv_offsets() for attn in layers])
         for i, attn in enumerate(layers):
             attn.kv = kv_cache.layer(i)
+        if states is not None:
+            for i, mixer in enumerate(model.recurrent_layers()):
+                mixer.state = states.layer(i)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[list[Sequence], torch.Tensor]:
@@ -65,6 +73,7 @@ class ModelRunner:
         sampling_seqs: list[Sequence] = []
         pool_spans: list[tuple[int, int]] = []
         pooling_seqs: list[Sequence] = []
+        state_spans: list[StateSpan] = []
         for j in order:
             seq, n = batch.seqs[j], batch.num_new_tokens[j]
             start = seq.num_computed_tokens
@@ -75,6 +84,8 @@ class ModelRunner:
                 context_lens.append(end)
             else:
                 prefills.append(PrefillSpan(len(input_ids), n, end, torch.tensor(seq.block_table, device=self.device)))
+            if self.states is not None:
+                state_spans.append(StateSpan(len(input_ids), n, seq.state_slot, list(seq.state_saves)))
             input_ids += seq.tokens_to_compute(start, end)
             positions += range(start, end)
             slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
@@ -95,6 +106,7 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             prefills=prefills, positions=torch.tensor(positions, device=self.device),
             block_size=self.block_size, num_paged_tokens=query_start[-1],
+            state=StateMetadata(state_spans) if self.states is not None else None,
         )
         rows = None if all_logits else torch.tensor(sampling_rows, dtype=torch.long, device=self.device)
         step = StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows)

@@ -232,9 +232,11 @@ class Scheduler:
     def live_stats(self) -> dict:
         pool = self.block_manager.pool
         disk = self.block_manager.disk
+        states = self.block_manager.states
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks,
-                **(disk.stats_dict() if disk is not None else DiskStats().as_dict())}
+                **(disk.stats_dict() if disk is not None else DiskStats().as_dict()),
+                **(states.stats_dict() if states is not None else {})}
 
     def stats(self) -> dict:
         """The queues and the pool: blocks, the tokens they hold, the share of slots wasted (the

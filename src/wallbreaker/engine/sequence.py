@@ -72,6 +72,11 @@ class Sequence:
     dry_breaker_ids: frozenset[int] = frozenset()  # DRY's sequence breakers, as token ids
     mirostat_mu: float | None = None  # mirostat's state (None: not drawn yet, or no mirostat)
     pooling: bool = False  # a pooling request's: computed whole in one step, then finished (nothing sampled)
+    # recurrent layers (kv/state_pool.py): the slot with the state after num_computed_tokens, and
+    # while a step runs the (k, slot) it writes, the state after its first k tokens
+    state_slot: int = 0
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_checkpoint_at: int = 0  # the token count whose state this step keeps for the prefix cache (0: none)
 
     @property
     def num_tokens(self) -> int:

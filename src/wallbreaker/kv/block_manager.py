@@ -4,6 +4,12 @@ A sequence holds `block_table` (physical block ids, in order) and `block_hashes`
 digest of each of its full blocks, the first chained to its `cache_salt`). Full blocks are
 immutable and may be shared (prefix cache hits, forks); only a sequence's partly filled tail
 block is ever written, so that is the one place copy-on-write is needed.
+
+A model with recurrent layers also has a state pool (kv/state_pool.py), kept here beside the
+blocks: a sequence's `state_slot` moves with its computed tokens. Each step writes its states to
+fresh slots (`state_saves`, taken when the step's room is), and `commit` keeps the one at the
+tokens computed; a prompt's last block boundary is checkpointed for the prefix cache, and a
+prefix hit starts from the deepest cached block that has a checkpoint.
 """
 from __future__ import annotations
 
@@ -11,7 +17,9 @@ from typing import Iterator, Protocol
 
 import torch
 
+from ..layers.recurrent import ZERO_SLOT
 from .block_pool import Block, BlockPool, hash_block, salt_digest
+from .state_pool import StatePool
 
 
 class PagedSequence(Protocol):
@@ -20,6 +28,10 @@ class PagedSequence(Protocol):
     block_table: list[int]
     block_hashes: list[bytes]
     cache_salt: str | None
+    spec_token_ids: list[int]
+    state_slot: int
+    state_saves: list[tuple[int, int]]
+    state_checkpoint_at: int
 
 
 class BlockStore(Protocol):
@@ -33,11 +45,14 @@ class BlockStore(Protocol):
 
 
 class BlockManager:
-    def __init__(self, pool: BlockPool, block_size: int, disk: BlockStore | None = None):
-        """`disk`: where full blocks are also kept, and looked for when the RAM cache misses."""
+    def __init__(self, pool: BlockPool, block_size: int, disk: BlockStore | None = None,
+                 states: StatePool | None = None):
+        """`disk`: where full blocks are also kept, and looked for when the RAM cache misses.
+        `states`: the recurrent layers' state pool, where the model has any."""
         self.pool = pool
         self.block_size = block_size
         self.disk = disk if pool.enable_prefix_caching else None
+        self.states = states
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -91,9 +106,13 @@ class BlockManager:
             self.pool.retain(block)
         if reuse_prefix and self.disk is not None and len(hits) < (len(seq.token_ids) - 1) // self.block_size:
             hits += self._load_from_disk(seq, len(hits))
+        state = ZERO_SLOT
+        if self.states is not None:
+            hits, state = self._deepest_checkpoint(hits)
         computed = len(hits) * self.block_size
         num_new = min(len(seq.token_ids) - computed, max_new_tokens)
-        if self.blocks_needed(computed + num_new) - len(hits) > self.pool.num_free:
+        if (self.blocks_needed(computed + num_new) - len(hits) > self.pool.num_free
+                or not self._states_fit(seq, computed, num_new)):
             for block in reversed(hits):
                 self.pool.release(block)
             return 0
@@ -101,14 +120,82 @@ class BlockManager:
         seq.block_hashes = [b.hash for b in hits]
         seq.num_computed_tokens = computed
         self._grow(seq, computed + num_new)
+        if self.states is not None:
+            self.states.retain(state)
+            seq.state_slot = state
+            self._reserve_states(seq, num_new)
         return num_new
+
+    def _deepest_checkpoint(self, hits: list[Block]) -> tuple[list[Block], int]:
+        """The cached blocks to reuse, cut back to the deepest one whose end has a state checkpoint
+        (the rest released), and that checkpoint's slot (the zero slot where none has)."""
+        states = self.states
+        keep, slot = 0, ZERO_SLOT
+        if hits:
+            states.checkpoint_queries += 1
+        for i in range(len(hits), 0, -1):
+            found = states.lookup(hits[i - 1].hash)
+            if found is not None:
+                keep, slot = i, found
+                states.checkpoint_hits += 1
+                break
+        for block in reversed(hits[keep:]):
+            self.pool.release(block)
+        return hits[:keep], slot
+
+    def _state_saves_needed(self, seq: PagedSequence, computed: int, num_new: int, num_draft: int) -> list[int]:
+        """The k (tokens into the step) after which a step of `num_new` tokens from `computed`, the
+        last `num_draft` of them drafts, must keep the state: after the last token, or after each
+        verified position; and at the prompt's last block boundary, for the prefix cache."""
+        ks = list(range(num_new - num_draft, num_new + 1)) if num_draft else [num_new]
+        if self.pool.enable_prefix_caching and self.states.max_checkpoints:
+            boundary = (len(seq.token_ids) - 1) // self.block_size * self.block_size
+            if computed < boundary < computed + num_new - num_draft:
+                ks.insert(0, boundary - computed)
+        return ks
+
+    def _states_fit(self, seq: PagedSequence, computed: int, num_new: int) -> bool:
+        if self.states is None:
+            return True
+        needed = self._state_saves_needed(seq, computed, num_new, len(seq.spec_token_ids))
+        return len(needed) <= self.states.num_free
+
+    def _reserve_states(self, seq: PagedSequence, num_new: int) -> None:
+        computed = seq.num_computed_tokens
+        ks = self._state_saves_needed(seq, computed, num_new, len(seq.spec_token_ids))
+        seq.state_saves = [(k, self.states.allocate()) for k in ks]
+        boundary = (len(seq.token_ids) - 1) // self.block_size * self.block_size
+        seq.state_checkpoint_at = boundary if any(computed + k == boundary for k in ks) and boundary else 0
+
+    def _commit_state(self, seq: PagedSequence, num_new_tokens: int) -> None:
+        """Keep the state after `num_new_tokens` of the step (and a checkpoint that is part of what was
+        computed); the other slots the step wrote go back."""
+        states = self.states
+        start = seq.num_computed_tokens - num_new_tokens
+        kept = None
+        for k, slot in seq.state_saves:
+            if k == num_new_tokens:
+                kept = slot
+            if seq.state_checkpoint_at and start + k == seq.state_checkpoint_at and k <= num_new_tokens:
+                states.checkpoint(seq.block_hashes[seq.state_checkpoint_at // self.block_size - 1], slot)
+        assert kept is not None, f"no state was kept after {num_new_tokens} tokens of the step"
+        states.retain(kept)
+        states.release(seq.state_slot)
+        seq.state_slot = kept
+        self._drop_saves(seq)
+
+    def _drop_saves(self, seq: PagedSequence) -> None:
+        for _, slot in seq.state_saves:
+            self.states.release(slot)
+        seq.state_saves = []
+        seq.state_checkpoint_at = 0
 
     def can_append(self, seq: PagedSequence, num_new_tokens: int) -> bool:
         end = seq.num_computed_tokens + num_new_tokens
         need = self.blocks_needed(end) - len(seq.block_table)
         if self._tail_is_shared(seq):
             need += 1
-        return need <= self.pool.num_free
+        return need <= self.pool.num_free and self._states_fit(seq, seq.num_computed_tokens, num_new_tokens)
 
     def append_slots(self, seq: PagedSequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for the next `num_new_tokens` tokens (check `can_append` first). Returns the
@@ -122,6 +209,8 @@ class BlockManager:
             seq.block_table[index] = new.block_id
             copies.append((old.block_id, new.block_id))
         self._grow(seq, seq.num_computed_tokens + num_new_tokens)
+        if self.states is not None:
+            self._reserve_states(seq, num_new_tokens)
         return copies
 
     def commit(self, seq: PagedSequence, num_new_tokens: int) -> None:
@@ -137,6 +226,8 @@ class BlockManager:
             block = self.pool.blocks[seq.block_table[i]]
             if self.pool.register(block, block_hash, tokens) and self.disk is not None:
                 self.disk.store(block.block_id, block_hash, tokens)
+        if self.states is not None and seq.state_saves:
+            self._commit_state(seq, num_new_tokens)
 
     def fork(self, parent: PagedSequence, child: PagedSequence) -> None:
         """`child` shares every block of `parent`; the first write to a shared tail copies it."""
@@ -145,9 +236,18 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
+        if self.states is not None:
+            self.states.retain(parent.state_slot)
+            child.state_slot = parent.state_slot
 
     def trim(self, seq: PagedSequence, num_tokens: int) -> None:
-        """Forget K/V past `num_tokens` (rejected speculative tokens): whole blocks beyond are freed."""
+        """Forget K/V past `num_tokens` (rejected speculative tokens, a failed step): whole blocks
+        beyond are freed. A recurrent state cannot go back: only what a step had not committed is
+        dropped (its saves)."""
+        if self.states is not None:
+            if num_tokens < seq.num_computed_tokens:
+                raise RuntimeError("a recurrent state cannot be rolled back past its computed tokens")
+            self._drop_saves(seq)
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         keep = self.blocks_needed(seq.num_computed_tokens)
         for block_id in seq.block_table[keep:]:
@@ -161,6 +261,10 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        if self.states is not None:
+            self._drop_saves(seq)
+            self.states.release(seq.state_slot)
+            seq.state_slot = ZERO_SLOT
 
     def _tail_is_shared(self, seq: PagedSequence) -> bool:
         if seq.num_computed_tokens % self.block_size == 0:

@@ -34,9 +34,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     """Zeros that cost memory only where written: on the CPU, fresh anonymous pages (the kernel maps
     its zero page until a write), not `torch.zeros`, which touches every byte at start: a 4 GB pool
     took 2.4 s to load and 4 GB of RSS before its first token."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
+    if torch.device(device).type != "cpu" or count == 0:  # nothing to map: a model without attention layers
+        return torch.zeros(shape, dtype=dtype, device=device)
     pages = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # the tensor keeps `pages` alive
 
@@ -144,20 +144,31 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return block_size * kv_bytes_per_token(config, dtype)
 
 
-def default_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, memory_gb: float | None,
-                       max_tokens: int, weight_bytes: int = 0) -> int:
-    """Blocks for `memory_gb`; by default, half of what the free memory leaves after the weights
-    (`weight_bytes`, which a step reads from the page cache, so they must stay there) and
-    HEADROOM_GB, at most DEFAULT_MAX_GB, never more than `max_tokens` need. Logged at INFO."""
-    per_block = bytes_per_block(config, block_size, dtype)
+def memory_budget(memory_gb: float | None, weight_bytes: int = 0) -> float:
+    """Bytes for the KV pool (and a recurrent model's state pool): `memory_gb`, or by default half of
+    what the free memory leaves after the weights (`weight_bytes`, which a step reads from the page
+    cache, so they must stay there) and HEADROOM_GB, at most DEFAULT_MAX_GB."""
     if memory_gb is not None:
-        return max(int(memory_gb * 2**30 // per_block), 1)
+        return memory_gb * 2**30
     free = psutil.virtual_memory().available
-    budget = min(max(free - weight_bytes - HEADROOM_GB * 2**30, 0) / 2, DEFAULT_MAX_GB * 2**30)
+    return min(max(free - weight_bytes - HEADROOM_GB * 2**30, 0) / 2, DEFAULT_MAX_GB * 2**30)
+
+
+def default_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, memory_gb: float | None,
+                       max_tokens: int, weight_bytes: int = 0, reserved_bytes: int = 0) -> int:
+    """Blocks for the `memory_budget`, less `reserved_bytes` (a state pool's), never more than
+    `max_tokens` need when the budget is the default one. A model without attention layers gets
+    blocks that cost nothing (their ids still key the prefix cache). Logged at INFO."""
+    per_block = bytes_per_block(config, block_size, dtype)
+    if per_block == 0:
+        return max(-(-max_tokens // block_size), 1)
+    budget = memory_budget(memory_gb, weight_bytes) - reserved_bytes
+    if memory_gb is not None:
+        return max(int(budget // per_block), 1)
     blocks = max(min(int(budget // per_block), -(-max_tokens // block_size)), 1)
     logger.info("KV cache: %d blocks of %d tokens (%.2f GB), from %.1f GB free and %.2f GB of weights "
-                "(kv_cache_memory_gb sets it)", blocks, block_size, blocks * per_block / 1e9, free / 1e9,
-                weight_bytes / 1e9)
+                "(kv_cache_memory_gb sets it)", blocks, block_size, blocks * per_block / 1e9,
+                psutil.virtual_memory().available / 1e9, weight_bytes / 1e9)
     return blocks
 
 

@@ -1,0 +1,233 @@
+"""The state pool and the scheduler's state bookkeeping (kv/state_pool.py, kv/block_manager.py),
+through the real scheduler and model runner over a stand-in recurrent model whose state is exact
+(the sum and count of the tokens so far, small integers in float32) and whose next token is a
+function of that state alone. So any state lost, applied twice, taken from the wrong slot or
+after the wrong number of tokens changes the tokens, against a plain-Python reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wallbreaker.config import ModelConfig
+from wallbreaker.engine.model_runner import ModelRunner
+from wallbreaker.engine.scheduler import Append, Scheduler, StepOutput
+from wallbreaker.engine.sequence import Sequence
+from wallbreaker.kv import BlockManager, BlockPool, KVCache
+from wallbreaker.kv.state_pool import StatePool, size_state_pool, slots_per_sequence
+from wallbreaker.layers.recurrent import RecurrentMixer, scan_spans
+from wallbreaker.sampling_params import SamplingParams
+
+BS = 4
+VOCAB = 97
+CONFIG = ModelConfig("llama", vocab_size=VOCAB, hidden_size=2, intermediate_size=2, num_layers=1, num_heads=1,
+                     num_kv_heads=1, head_dim=2, layer_types=("conv",))
+
+
+def next_token(total: int, count: int) -> int:
+    return (total * 31 + count * 7) % VOCAB
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(next_token(sum(tokens), len(tokens)))
+    return tokens[len(prompt):]
+
+
+class SumMixer(RecurrentMixer):
+    """State: [sum of token ids, count of tokens]."""
+
+    def state_shapes(self):
+        return [(2,)]
+
+    def forward(self, x, meta):
+        return scan_spans(meta.state, self.state, (x,), self._scan, self._scan)
+
+    @staticmethod
+    def _scan(inputs, states):
+        (x,), (s,) = inputs, states  # x: [L, 1] (or [B, 1]: one token each), s: [1 or B, 2]
+        if s.shape[0] == x.shape[0] and x.shape[0] > 1:  # a one-token-each step
+            new = s + torch.cat([x, torch.ones_like(x)], 1)
+            return new, [new]
+        steps = torch.cat([x, torch.ones_like(x)], 1).cumsum(0) + s  # [L, 2]: the state after each row
+        return steps, [steps[-1:]]
+
+
+class SumModel(torch.nn.Module):
+    config = CONFIG
+
+    def __init__(self):
+        super().__init__()
+        self.mixer = SumMixer()
+
+    def attention_layers(self):
+        return []
+
+    def recurrent_layers(self):
+        return [self.mixer]
+
+    def forward(self, input_ids, meta):
+        return self.mixer(input_ids.float()[:, None], meta)
+
+    def logits(self, hidden):
+        ids = (hidden[:, 0].long() * 31 + hidden[:, 1].long() * 7) % VOCAB
+        return torch.nn.functional.one_hot(ids, VOCAB).float()
+
+
+def engine(num_blocks=64, slots=None, max_num_seqs=8, budget=64, checkpoints=8, spec=0, caching=True):
+    slots = slots or 1 + max_num_seqs * slots_per_sequence(spec) + checkpoints
+    states = StatePool([[(2,)]], slots, checkpoints)
+    bm = BlockManager(BlockPool(num_blocks, caching), BS, states=states)
+    s = Scheduler(bm, max_num_seqs, budget, max_model_len=10_000)
+    runner = ModelRunner(SumModel(), KVCache(CONFIG, num_blocks, BS, torch.float32), "cpu", states=states)
+    return s, runner, states
+
+
+def make_seq(i: int, prompt: list[int]) -> Sequence:
+    return Sequence(i, str(i), 0, list(prompt), len(prompt), SamplingParams(), None)
+
+
+def step(s: Scheduler, runner: ModelRunner, drafts: dict | None = None, fail: bool = False):
+    """One step; every caught-up sequence takes the greedy token, and verifies its drafts greedily."""
+    for seq, d in (drafts or {}).items():
+        seq.spec_token_ids = list(d)
+    batch = s.schedule()
+    caught_up, logits = runner.run(batch)
+    if fail:
+        s.update_from_output(batch, StepOutput(computed=False))
+        return batch
+    appends, row = [], 0
+    for seq in caught_up:
+        rows = logits[row:row + 1 + seq.num_draft].argmax(-1).tolist()
+        row += 1 + seq.num_draft
+        kept = []
+        for i, token in enumerate(rows):
+            kept.append(token)
+            if i >= seq.num_draft or seq.spec_token_ids[i] != token:
+                break
+        appends.append(Append(seq, kept, [0.0] * len(kept), [[]] * len(kept)))
+    s.update_from_output(batch, StepOutput(appends=appends))
+    return batch
+
+
+def run(s, runner, seqs, n_out, **step_args):
+    for seq in seqs:
+        if seq not in s.running and seq not in s.waiting:
+            s.add(seq)
+    while any(seq.num_output_tokens < n_out for seq in seqs):
+        step(s, runner, **step_args)
+    for seq in seqs:
+        if not seq.is_finished:
+            s.finish(seq, "length")
+    return [seq.output_token_ids[:n_out] for seq in seqs]
+
+
+PROMPTS = [[5, 9, 14, 3, 7, 1, 8, 2, 6, 11, 4], [2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+
+
+@pytest.mark.parametrize("budget", [64, 5, 1])
+def test_any_chunking_gives_the_reference_tokens(budget):
+    s, runner, states = engine(budget=budget)
+    outs = run(s, runner, [make_seq(i, p) for i, p in enumerate(PROMPTS)], 6)
+    assert outs == [reference(p, 6) for p in PROMPTS]
+    assert states.num_used == len(states.checkpoints)  # what finished sequences held went back
+
+
+def test_repeated_prompt_starts_from_the_checkpoint_at_its_last_block_boundary():
+    s, runner, states = engine()
+    prompt = PROMPTS[0]  # 11 tokens: the checkpoint is after 8
+    run(s, runner, [make_seq(0, prompt)], 3)
+    again = make_seq(1, prompt + [1])
+    s.add(again)
+    step(s, runner)
+    assert again.num_cached_tokens == 8
+    assert states.checkpoint_hits == 1
+    assert run(s, runner, [again], 4) == [reference(prompt + [1], 4)]
+
+
+def test_a_cached_block_without_a_checkpoint_is_not_reused():
+    s, runner, states = engine(checkpoints=0)
+    run(s, runner, [make_seq(0, PROMPTS[0])], 2)
+    again = make_seq(1, PROMPTS[0])
+    s.add(again)
+    step(s, runner)
+    assert again.num_cached_tokens == 0
+    assert run(s, runner, [again], 3) == [reference(PROMPTS[0], 3)]
+
+
+def test_failed_step_keeps_the_state_it_started_from():
+    s, runner, states = engine()
+    seq = make_seq(0, PROMPTS[0])
+    s.add(seq)
+    step(s, runner)
+    step(s, runner)
+    used = states.num_used
+    step(s, runner, fail=True)
+    assert states.num_used == used  # the failed step's slots went back
+    assert run(s, runner, [seq], 5) == [reference(PROMPTS[0], 5)]
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3])
+def test_verification_keeps_the_state_after_the_accepted_drafts(accepted):
+    s, runner, states = engine(spec=3)
+    prompt = PROMPTS[0]
+    seq = make_seq(0, prompt)
+    s.add(seq)
+    step(s, runner)  # prefill and first token
+    truth = reference(prompt, 8)
+    drafts = truth[1:1 + accepted] + [(t + 1) % VOCAB for t in truth[1 + accepted:4]]
+    batch = step(s, runner, drafts={seq: drafts})
+    assert batch.num_new_tokens == [4]
+    assert seq.output_token_ids == truth[:2 + accepted]
+    assert run(s, runner, [seq], 8) == [truth]
+
+
+def test_forks_share_their_parent_state_slot():
+    s, runner, states = engine()
+    parent = make_seq(0, PROMPTS[2])
+    s.add(parent)
+    step(s, runner)
+    child = make_seq(1, list(parent.token_ids))
+    child.num_prompt_tokens = parent.num_prompt_tokens
+    s.block_manager.fork(parent, child)
+    assert child.state_slot == parent.state_slot and states.ref_counts[parent.state_slot] >= 2
+    s.running.append(child)
+    from wallbreaker.engine.sequence import SequenceStatus
+    child.status = SequenceStatus.RUNNING
+    outs = run(s, runner, [parent, child], 5)
+    assert outs == [reference(PROMPTS[2], 5)] * 2
+
+
+def test_preemption_in_a_small_pool_recomputes_exactly():
+    prompts = [[i + 1, i + 2, i + 3, i + 4, i + 5] for i in range(0, 30, 5)]
+    s, runner, states = engine(num_blocks=8, budget=64)
+    outs = run(s, runner, [make_seq(i, p) for i, p in enumerate(prompts)], 6)
+    assert s.num_preemptions > 0
+    assert outs == [reference(p, 6) for p in prompts]
+
+
+def test_admission_waits_for_free_state_slots():
+    """A pool with room for one sequence's slots runs the others after it, not beside it."""
+    s, runner, states = engine(slots=1 + slots_per_sequence(0), checkpoints=0)
+    outs = run(s, runner, [make_seq(i, p) for i, p in enumerate(PROMPTS)], 3)
+    assert outs == [reference(p, 3) for p in PROMPTS]
+
+
+def test_checkpoints_are_bounded_and_least_recent_go_first():
+    pool = StatePool([[(2,)]], 10, max_checkpoints=2)
+    slots = [pool.allocate() for _ in range(3)]
+    for i, slot in enumerate(slots):
+        pool.checkpoint(bytes([i]), slot)
+        pool.release(slot)
+    assert pool.lookup(bytes([0])) is None and pool.lookup(bytes([2])) == slots[2]
+    assert pool.num_used == 2
+
+
+def test_pool_is_sized_within_the_budget_or_refused():
+    shapes = [[(1024,)]]  # 4 KB a slot
+    slots, checkpoints = size_state_pool(shapes, 4, 0, 4, budget_bytes=1e9)
+    assert slots == 1 + 4 * slots_per_sequence(0) + 4 and checkpoints == 4
+    slots, _ = size_state_pool(shapes, 64, 0, 64, budget_bytes=40 * 4096)
+    assert slots == 40
+    with pytest.raises(Exception, match="raise kv_cache_memory_gb"):
+        size_state_pool(shapes, 4, 0, 4, budget_bytes=2 * 4096)
