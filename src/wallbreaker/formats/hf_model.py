@@ -114,6 +114,9 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     if arch is None:
         raise UnsupportedModelError(f"{path}: unsupported model_type {short_repr(hf.get('model_type'))} "
                                     f"(supported: {', '.join(_MODEL_TYPES)})")
+    arch_fields: dict[str, Any] = {}  # what only this architecture has
+    if arch == "lfm2":  # its keys renamed to the others' (before the readers below bind `hf`)
+        hf, arch_fields = lfm2_config_keys(hf, where)
 
     def get(key: str, default: Any = _REQUIRED, within: dict[str, Any] = hf) -> Any:
         value = within.get(key, default)
@@ -135,9 +138,6 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
         return UnsupportedModelError(f"{where}: {what} is not supported")
 
     _refuse_unimplemented(hf, unsupported)
-    arch_fields: dict[str, Any] = {}
-    if arch == "lfm2":
-        hf, arch_fields = lfm2_config_keys(hf, where)
     rope = obj("rope_parameters")
     global_rope = obj("full_attention", rope) if "full_attention" in rope else rope
     local_rope = obj("sliding_attention", rope)
