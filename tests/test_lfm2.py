@@ -4,6 +4,7 @@ tokens; the engine's behaviours (chunked prefill, speculation, the prefix cache,
 keep greedy output exact on its convolution states."""
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,3 +94,107 @@ def test_any_chunking_gives_the_logits_of_one_pass(lfm2_folder):
     full = llm.logits(ids)
     for chunk in (1, 5, 7):
         assert (llm.logits(ids, chunk_size=chunk) - full).abs().max().item() < 1e-4
+
+
+# -- the engine's behaviours on the convolution states -------------------------------------------
+def engine_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of mixed lengths with repeated motifs (so that n-gram speculation proposes)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        motif = [rng.randrange(3, 2000) for _ in range(rng.randint(2, 6))]
+        out.append((motif * 12)[:rng.randint(3, 45)])
+    return out
+
+
+def make_llm(folder: Path, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory_gb", 0.02)
+    return LLM(str(folder), dtype="float32", **kw)
+
+
+def greedy_of(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+def holds_only_checkpoints(llm: LLM) -> bool:
+    """Once every request is done, the only state slots taken are the prefix cache's checkpoints."""
+    stats = llm.stats()
+    return stats["state_slots_used"] == stats["state_checkpoints"]
+
+
+@pytest.fixture(scope="module")
+def plain(lfm2_folder):
+    """Each engine prompt's greedy tokens, generated alone, by a plain engine."""
+    llm = make_llm(lfm2_folder)
+    return [greedy_of(llm, [p])[0] for p in engine_prompts(8)]
+
+
+@pytest.fixture(scope="module")
+def llama_draft(tmp_path_factory):
+    """A random-weight Llama with the same tokenizer: a draft that is often wrong."""
+    from transformers import LlamaConfig
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return save_random_model(config, tmp_path_factory.mktemp("lfm2_draft") / "hf", seed=1)
+
+
+def test_batched_and_chunked_prefill_give_the_tokens_of_each_prompt_alone(lfm2_folder, plain):
+    prompts = engine_prompts(8)
+    assert greedy_of(make_llm(lfm2_folder), prompts) == plain
+    assert greedy_of(make_llm(lfm2_folder, max_num_batched_tokens=5), prompts) == plain
+    long_prompt = (prompts[0] * 40)[:300]
+    llm = make_llm(lfm2_folder, max_num_batched_tokens=64)
+    assert greedy_of(llm, [long_prompt, *prompts])[1:] == plain
+
+
+def test_ngram_speculation_is_token_for_token_plain_greedy(lfm2_folder, plain):
+    llm = make_llm(lfm2_folder, speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
+    assert greedy_of(llm, engine_prompts(8)) == plain
+    stats = llm.stats()
+    assert stats["spec_proposed"] > 0 and stats["spec_accepted"] > 0
+    assert stats["kv_blocks_used"] == 0 and holds_only_checkpoints(llm)
+
+
+def test_draft_model_speculation_is_token_for_token_plain_greedy(lfm2_folder, llama_draft, plain):
+    llm = make_llm(lfm2_folder, speculative_method="draft", speculative_model=str(llama_draft),
+                   num_speculative_tokens=3, speculative_adaptive=False)
+    assert greedy_of(llm, engine_prompts(8)) == plain
+    assert llm.stats()["spec_proposed"] > 0 and holds_only_checkpoints(llm)
+
+
+def test_preemption_in_a_small_pool_gives_the_same_tokens(lfm2_folder, plain):
+    from wallbreaker.kv.cache import bytes_per_block
+    cfg = make_llm(lfm2_folder).model_config
+    small = make_llm(lfm2_folder, kv_block_size=4, kv_cache_memory_gb=48 * bytes_per_block(cfg, 4, torch.float32) / 2**30)
+    assert greedy_of(small, engine_prompts(8)) == plain
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0 and holds_only_checkpoints(small)
+
+
+def test_a_repeated_or_extended_prompt_starts_from_a_cached_state(lfm2_folder):
+    llm = make_llm(lfm2_folder, kv_block_size=4)
+    prompt = (engine_prompts(1, seed=5)[0] * 10)[:41]
+    first = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
+    again = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
+    assert again.metrics["num_cached_prompt_tokens"] > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    longer = prompt + first.outputs[0].token_ids[:5]
+    extended = llm.generate([{"prompt_token_ids": longer}], GREEDY)[0]
+    assert extended.metrics["num_cached_prompt_tokens"] > 0
+    cold = make_llm(lfm2_folder, kv_block_size=4, enable_prefix_caching=False)
+    assert greedy_of(cold, [longer]) == [extended.outputs[0].token_ids]
+
+
+def test_n_samples_sharing_the_state_equal_separate_requests(lfm2_folder):
+    """Forks share their parent's state slot; sample i of `n` with seed s is the request with seed
+    s + i computed on its own."""
+    llm = make_llm(lfm2_folder)
+    prompt = engine_prompts(1, seed=6)[0]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=7, ignore_eos=True)
+    forked = [o.token_ids for o in llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs]
+    alone = [llm.generate([{"prompt_token_ids": prompt}],
+                          SamplingParams(temperature=1.0, max_tokens=10, seed=7 + i, ignore_eos=True))[0]
+             .outputs[0].token_ids for i in range(4)]
+    assert forked == alone and len({tuple(t) for t in forked}) > 1
+    assert holds_only_checkpoints(llm)
