@@ -198,3 +198,42 @@ def test_n_samples_sharing_the_state_equal_separate_requests(lfm2_folder):
              .outputs[0].token_ids for i in range(4)]
     assert forked == alone and len({tuple(t) for t in forked}) > 1
     assert holds_only_checkpoints(llm)
+
+
+# -- what the loaders read and refuse ------------------------------------------------------------
+def lfm2_json(**changes) -> dict:
+    hf = {**lfm2_config().to_dict(), **changes}
+    hf.pop("full_attn_idxs", None)
+    return {k: v for k, v in hf.items() if v is not None}
+
+
+def test_layers_from_full_attn_idxs_as_transformers_reads_them():
+    from transformers import Lfm2Config
+
+    from wallbreaker.formats.hf_model import config_from_hf
+    hf = lfm2_json(full_attn_idxs=[0, 3])
+    del hf["layer_types"]
+    assert config_from_hf(hf, Path("m")).layer_types == tuple(
+        "conv" if t == "conv" else "full" for t in Lfm2Config(**hf).layer_types)
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(conv_bias=True), "conv_bias"),
+    (dict(layer_types=["conv", "sliding_attention", "conv", "full_attention"]), "sliding_attention"),
+    (dict(conv_L_cache=1), "conv_L_cache"),
+])
+def test_what_we_do_not_run_is_refused_by_name(changes, named):
+    from wallbreaker.errors import ModelFormatError, UnsupportedModelError
+    from wallbreaker.formats.hf_model import config_from_hf
+    with pytest.raises((UnsupportedModelError, ModelFormatError), match=named):
+        config_from_hf(lfm2_json(**changes), Path("m"))
+
+
+def test_gguf_head_counts_mark_the_convolutions():
+    from wallbreaker.errors import ModelFormatError, UnsupportedModelError
+    from wallbreaker.formats.lfm2 import gguf_layer_heads
+    assert gguf_layer_heads("f", "k", [0, 8, 0, 8], 4) == (8, ("conv", "full", "conv", "full"))
+    with pytest.raises(UnsupportedModelError, match="different KV head counts"):
+        gguf_layer_heads("f", "k", [0, 8, 0, 4], 4)
+    with pytest.raises(ModelFormatError, match="one count a layer"):
+        gguf_layer_heads("f", "k", [0, 8], 4)

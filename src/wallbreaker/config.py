@@ -243,7 +243,7 @@ class ModelConfig:
         if any(t not in LAYER_TYPES for t in self.layer_types):
             bad = next(t for t in self.layer_types if t not in LAYER_TYPES)
             raise ConfigError("layer_types", f"layer_types must be {' or '.join(LAYER_TYPES)}, got {short_repr(bad)}")
-        if "conv" in self.layer_types or self.conv_kernel:
+        if self.conv_kernel:  # the loaders of LFM2 always set it
             _positive_int("conv_kernel", self.conv_kernel)
             if self.conv_kernel < 2:
                 raise ConfigError("conv_kernel", f"conv_kernel must be at least 2, got {self.conv_kernel}")
