@@ -63,19 +63,26 @@ class StateMetadata:
 # chunk: (inputs, each [L, ...] of one sequence; states, each [1, *shape]) -> (outputs [L, ...], new states)
 StepFn = Callable[[tuple[torch.Tensor, ...], list[torch.Tensor]], tuple[torch.Tensor, list[torch.Tensor]]]
 ChunkFn = StepFn
+# step_in_pool: (inputs, each [B, ...]; src [B], dst [B] slots) -> outputs [B, ...]: the one-token form
+# reading the states from the pool's src slots and writing the new ones to its dst slots itself
+# (a C++ kernel: csrc/recurrent_ops.cpp), without the gather and scatter copies
+StepInPoolFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def scan_spans(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[torch.Tensor, ...],
-               step: StepFn, chunk: ChunkFn) -> torch.Tensor:
+               step: StepFn, chunk: ChunkFn, step_in_pool: StepInPoolFn | None = None) -> torch.Tensor:
     """Run a recurrence over a step's rows: `inputs` are per-row tensors [T, ...] (what the layer's
     input projection made), `pool` the layer's state tensors [num_slots, *shape]. Returns the
     per-row outputs [T, ...], in row order.
 
     `step` is the one-token form (a decode step: every sequence at once), `chunk` the form for
     many tokens of one sequence (prefill). Neither may write the states it is given. A span is cut
-    at its save points; each piece runs from the state the previous one ended with."""
+    at its save points; each piece runs from the state the previous one ended with. A plain decode
+    step goes to `step_in_pool` where the layer has one."""
     if meta.one_token_each:
         src, dst = meta.slots(inputs[0].device)
+        if step_in_pool is not None:
+            return step_in_pool(inputs, src, dst)
         out, new = step(inputs, [p[src] for p in pool])
         for p, n in zip(pool, new):
             p[dst] = n.to(p.dtype)
