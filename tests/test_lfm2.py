@@ -221,6 +221,7 @@ def test_layers_from_full_attn_idxs_as_transformers_reads_them():
     (dict(conv_bias=True), "conv_bias"),
     (dict(layer_types=["conv", "sliding_attention", "conv", "full_attention"]), "sliding_attention"),
     (dict(conv_L_cache=1), "conv_L_cache"),
+    (dict(use_pos_enc=False), "use_pos_enc"),
 ])
 def test_what_we_do_not_run_is_refused_by_name(changes, named):
     from wallbreaker.errors import ModelFormatError, UnsupportedModelError
@@ -237,3 +238,22 @@ def test_gguf_head_counts_mark_the_convolutions():
         gguf_layer_heads("f", "k", [0, 8, 0, 4], 4)
     with pytest.raises(ModelFormatError, match="one count a layer"):
         gguf_layer_heads("f", "k", [0, 8], 4)
+
+
+def test_a_first_release_config_json_reads_as_transformers_reads_it():
+    """LiquidAI's first config.json: block_ff_dim, tie_embedding, full_attn_idxs, no RoPE base (so
+    transformers' default), and keys transformers ignores."""
+    from transformers import Lfm2Config
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    from wallbreaker.formats.hf_model import config_from_hf
+    hf = {"model_type": "lfm2", "vocab_size": VOCAB, "hidden_size": 64, "block_ff_dim": 400, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "norm_eps": 1e-6, "full_attn_idxs": [1],
+          "tie_embedding": True, "block_multiple_of": 64, "block_auto_adjust_ff_dim": True,
+          "block_ffn_dim_multiplier": 1.0, "conv_L_cache": 3, "use_pos_enc": True, "block_use_swiglu": True}
+    ref = Lfm2Config(**hf)
+    ours = config_from_hf(hf, Path("m"))
+    assert ours.intermediate_size == Lfm2MLP(ref).w1.out_features
+    assert ours.rope_theta == ref.rope_parameters["rope_theta"]
+    assert ours.rms_norm_eps == ref.norm_eps and ours.tie_word_embeddings == ref.tie_word_embeddings
+    assert ours.layer_types == ("conv", "full", "conv")

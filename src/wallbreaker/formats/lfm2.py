@@ -19,6 +19,7 @@ from ..config import short_repr
 from ..errors import ModelFormatError, UnsupportedModelError
 
 FINAL_NORM = "token_embd_norm.weight"
+DEFAULT_ROPE_THETA = 1000000.0  # Lfm2Config.default_theta, where config.json gives none
 _HF_LAYER_TYPES = {"conv": "conv", "full_attention": "full"}
 
 
@@ -46,8 +47,11 @@ def hf_config_keys(hf: dict[str, Any], where: str) -> tuple[dict[str, Any], dict
     """config.json in the keys config_from_hf reads (norm_eps as rms_norm_eps, the adjusted FFN
     width as intermediate_size, tie_embedding as tie_word_embeddings), and the ModelConfig fields
     only LFM2 has (layer types, the convolution's taps, q/k norm)."""
-    if hf.get("conv_bias", False) is not False:
-        raise UnsupportedModelError(f"{where}: conv_bias {short_repr(hf.get('conv_bias'))} is not supported")
+    # conv_bias: biases in the convolution and its projections; LiquidAI's first config.json also has
+    # block_use_swiglu and use_pos_enc (a plain FFN, no RoPE), which transformers ignores
+    for key, runs in (("conv_bias", False), ("block_use_swiglu", True), ("use_pos_enc", True)):
+        if hf.get(key, runs) is not runs:
+            raise UnsupportedModelError(f"{where}: {key} {short_repr(hf.get(key))} is not supported")
     layers = hf.get("num_hidden_layers")
     given = hf.get("layer_types")
     if given is None:
@@ -63,6 +67,9 @@ def hf_config_keys(hf: dict[str, Any], where: str) -> tuple[dict[str, Any], dict
     if bad is not None:
         raise UnsupportedModelError(f"{where}: layer type {short_repr(bad)} is not supported")
     keys = {k: v for k, v in hf.items() if k != "layer_types"}
+    rope = keys.get("rope_parameters")
+    if "rope_theta" not in keys and not (isinstance(rope, dict) and "rope_theta" in rope):
+        keys["rope_theta"] = DEFAULT_ROPE_THETA
     keys.update(rms_norm_eps=hf.get("norm_eps", 1e-5), intermediate_size=hf_ffn_width(hf, where),
                 tie_word_embeddings=hf.get("tie_embedding", hf.get("tie_word_embeddings", True)))
     fields = dict(layer_types=tuple(_HF_LAYER_TYPES[t] for t in given), qk_norm=True,
