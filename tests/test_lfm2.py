@@ -258,3 +258,30 @@ def test_a_first_release_config_json_reads_as_transformers_reads_it():
     assert ours.rope_theta == ref.rope_parameters["rope_theta"]
     assert ours.rms_norm_eps == ref.norm_eps and ours.tie_word_embeddings == ref.tie_word_embeddings
     assert ours.layer_types == ("conv", "full", "conv")
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "q8_0"])
+def test_our_gguf_writer_writes_what_llama_cpp_converter_writes(lfm2_folder, lfm2_gguf, tmp_path, quantized):
+    """The same keys and tensors as the converter's file (values: its F32 file's); read back, the
+    logits are the folder's (F32) or close to them (Q8_0 projections)."""
+    import gguf
+
+    from wallbreaker.formats import open_model
+    from wallbreaker.formats.gguf_file import open_gguf
+    from wallbreaker.formats.gguf_writer import write_gguf
+    files = open_model(lfm2_folder)
+    tensors = {name: ref.load() for name, ref in files.weights.items()}
+    types = {n: gguf.GGMLQuantizationType.Q8_0 for n, t in tensors.items()
+             if quantized and t.dim() == 2 and t.shape[1] % 32 == 0}
+    converted = open_gguf(lfm2_gguf("f32"))
+    tokenizer = {k: v for k, v in converted.metadata.items() if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    ours = open_gguf(write_gguf(tmp_path / "ours.gguf", files.config, tensors, tokenizer, types))
+    arch_keys = {k: v for k, v in converted.metadata.items() if k.startswith("lfm2.")}
+    for key, value in arch_keys.items():
+        assert ours.metadata[key] == pytest.approx(value), key
+    assert {n: t.shape for n, t in ours.tensors.items()} == {n: t.shape for n, t in converted.tensors.items()}
+    ids = files.tokenizer.encode(TEXT)[:45]
+    want = LLM(str(lfm2_folder), dtype="float32", kv_cache_memory_gb=0.05).logits(ids)
+    got = LLM(str(tmp_path / "ours.gguf"), dtype="float32", kv_cache_memory_gb=0.05).logits(ids)
+    error = ((got - want).abs().max() / (want.max() - want.min())).item()
+    assert error < (2e-2 if quantized else 1e-6)
