@@ -1,5 +1,6 @@
 """layers/short_conv.py against transformers' Lfm2ShortConv on the same weights: a prompt in one
-chunk, in pieces resumed from saved slots, and one token at a time for several sequences at once;
+chunk, in pieces resumed from saved slots, and one token at a time for several sequences at once,
+through the in-pool form and through `step` and `chunk`;
 the states handed to the recurrence are never written (slot 0 stays zero, a source slot keeps its
 state)."""
 from __future__ import annotations
@@ -17,18 +18,23 @@ HIDDEN = 24
 SLOTS = 8
 
 
-@pytest.fixture(scope="module", params=[3, 4], ids=["kernel3", "kernel4"])
+@pytest.fixture(scope="module", params=[(3, True), (4, True), (3, False), (4, False)],
+                ids=["kernel3", "kernel4", "kernel3-by-piece", "kernel4-by-piece"])
 def pair(request):
-    """(transformers' module, ours) with the same random weights."""
+    """(transformers' module, ours) with the same random weights; "by-piece": without `step_in_pool`,
+    so that scan_spans runs every span through `step` and `chunk`."""
     from transformers import Lfm2Config
     from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
-    torch.manual_seed(request.param)
-    config = Lfm2Config(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["conv"], conv_L_cache=request.param)
+    kernel, in_pool = request.param
+    torch.manual_seed(kernel)
+    config = Lfm2Config(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["conv"], conv_L_cache=kernel)
     ref = Lfm2ShortConv(config, 0).eval()
     with torch.no_grad():
         ref.conv.weight.normal_()
     ours = ShortConv(Linear(ref.in_proj.weight.detach().clone()), ref.conv.weight.detach()[:, 0].clone(),
                      Linear(ref.out_proj.weight.detach().clone()))
+    if not in_pool:
+        ours.step_in_pool = None
     return ref, ours
 
 
@@ -83,6 +89,21 @@ def test_pieces_resumed_from_saved_slots_match_one_pass(pair):
     torch.testing.assert_close(pool[0][6], pool[0][5], rtol=1e-6, atol=1e-6)
 
 
+def test_a_long_prompt_with_checkpoints_matches_transformers(pair):
+    """A span longer than what scan_spans gives the one-token form (MAX_STEP_TOKENS): cut at its
+    saves into one-token pieces and chunks."""
+    ref, ours = pair
+    pool = bind_pool(ours)
+    x = torch.randn(45, HIDDEN)
+    want = reference(ref, x)
+    out = run(ours, x, [StateSpan(0, 45, 0, [(1, 1), (2, 2), (20, 3), (21, 4), (45, 5)])])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    resumed = run(ours, x[21:], [StateSpan(0, 24, 4, [(24, 6)])])
+    torch.testing.assert_close(resumed, want[21:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[0][6], pool[0][5], rtol=1e-6, atol=1e-6)
+    assert not pool[0][0].any()
+
+
 def test_token_by_token_for_several_sequences_matches_transformers(pair):
     """A decode step computes every sequence's token at once (the one-token form), each from its
     own slot into another, as the scheduler alternates them."""
@@ -111,6 +132,24 @@ def test_a_prefill_and_a_decode_in_one_step(pair):
     out = run(ours, torch.cat([a, b[8:]]), [StateSpan(0, 5, 0, [(5, 2)]), StateSpan(5, 1, 1, [(1, 3)])])
     torch.testing.assert_close(out[:5], reference(ref, a), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[5], reference(ref, b)[8], rtol=1e-5, atol=1e-5)
+    assert not pool[0][0].any()
+
+
+def test_verifying_drafts_of_several_sequences_keeps_the_states_asked_for(pair):
+    """Spans of one length from different slots (a speculative step: the state after each draft),
+    some positions' states kept and others not; each kept one resumes exactly."""
+    ref, ours = pair
+    pool = bind_pool(ours)
+    a, b = torch.randn(9, HIDDEN), torch.randn(9, HIDDEN)
+    run(ours, torch.cat([a[:5], b[:5]]), [StateSpan(0, 5, 0, [(5, 1)]), StateSpan(5, 5, 0, [(5, 2)])])
+    kept = pool[0][1].clone()
+    out = run(ours, torch.cat([a[5:], b[5:]]),
+              [StateSpan(0, 4, 1, [(2, 3), (4, 4)]), StateSpan(4, 4, 2, [(1, 5), (3, 6), (4, 7)])])
+    torch.testing.assert_close(out[:4], reference(ref, a)[5:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[4:], reference(ref, b)[5:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[0][1], kept, rtol=0, atol=0)
+    resumed = run(ours, a[7:], [StateSpan(0, 2, 3, [(2, 4)])])  # from the state after a's 7th token
+    torch.testing.assert_close(resumed, reference(ref, a)[7:], rtol=1e-5, atol=1e-5)
     assert not pool[0][0].any()
 
 
