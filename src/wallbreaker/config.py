@@ -12,7 +12,8 @@ import torch
 from .errors import InvalidRequestError
 
 # llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert",
+                           "lfm2")
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
 MAX_SIZE = 2**63
 ATTENTION_LAYER_TYPES = ("full", "sliding")
@@ -195,6 +196,8 @@ class ModelConfig:
     type_vocab_size: int = 0
     sep_token_id: int | None = None
     num_labels: int = 0
+    # LFM2: the taps of its layers' gated short convolution (layers/short_conv.py); 0: no such layers
+    conv_kernel: int = 0
 
     def __post_init__(self) -> None:
         """Refuse what no model can be, whichever loader read it: a loader turns the ValueError into
@@ -240,6 +243,10 @@ class ModelConfig:
         if any(t not in LAYER_TYPES for t in self.layer_types):
             bad = next(t for t in self.layer_types if t not in LAYER_TYPES)
             raise ConfigError("layer_types", f"layer_types must be {' or '.join(LAYER_TYPES)}, got {short_repr(bad)}")
+        if self.conv_kernel:  # the loaders of LFM2 always set it
+            _positive_int("conv_kernel", self.conv_kernel)
+            if self.conv_kernel < 2:
+                raise ConfigError("conv_kernel", f"conv_kernel must be at least 2, got {self.conv_kernel}")
         if self.bos_token_id is not None:
             self._token_id("bos_token_id", self.bos_token_id)
         if not isinstance(self.eos_token_ids, tuple):

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from ..config import ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
+from .lfm2 import hf_config_keys as lfm2_config_keys, squeeze_conv_weights
 from .names import GEMMA_ARCHITECTURES, hf_expert, hf_to_canonical_table, is_derived, is_norm
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
 from .tokenizer import Tokenizer, check_token_ids
@@ -20,7 +21,8 @@ from .weights import ModelFiles, WeightRef, check_weights, split_fused, stacked_
 
 # model_type -> ModelConfig.architecture (llama.cpp's names: Mistral and Mixtral are llama)
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+                "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3",
+                "lfm2": "lfm2"}
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -50,6 +52,8 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if quantized:
         weights.update(read_quantized_weights(path, config, hf["quantization_config"]))
     split_fused(str(path), config, weights)
+    if config.architecture == "lfm2":
+        squeeze_conv_weights(weights)
     check_weights(str(path), config, weights)
     tokenizer = Tokenizer.from_hf_folder(path)
     check_token_ids(tokenizer, config.vocab_size, str(path), "the embedding (config.json vocab_size)")
@@ -92,7 +96,7 @@ _HF_KEYS = {
     "eos_token_ids": "eos_token_id", "attn_logit_softcap": "attn_logit_softcapping",
     "final_logit_softcap": "final_logit_softcapping", "num_experts": "num_local_experts",
     "num_experts_per_tok": "num_experts_per_tok", "expert_intermediate_size": "moe_intermediate_size",
-    "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act",
+    "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act", "conv_kernel": "conv_L_cache",
 }
 _REQUIRED = object()
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -110,6 +114,9 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     if arch is None:
         raise UnsupportedModelError(f"{path}: unsupported model_type {short_repr(hf.get('model_type'))} "
                                     f"(supported: {', '.join(_MODEL_TYPES)})")
+    arch_fields: dict[str, Any] = {}  # what only this architecture has
+    if arch == "lfm2":  # its keys renamed to the others' (before the readers below bind `hf`)
+        hf, arch_fields = lfm2_config_keys(hf, where)
 
     def get(key: str, default: Any = _REQUIRED, within: dict[str, Any] = hf) -> Any:
         value = within.get(key, default)
@@ -176,6 +183,7 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
                      num_experts_per_tok=hf.get("num_experts_per_tok"),
                      expert_intermediate_size=hf.get("moe_intermediate_size"),
                      norm_topk_prob=hf.get("norm_topk_prob", False))
+    extra.update(arch_fields)
     try:
         return ModelConfig(
             architecture=arch, vocab_size=get("vocab_size"), hidden_size=hidden,
