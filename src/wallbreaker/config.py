@@ -12,7 +12,8 @@ import torch
 from .errors import InvalidRequestError
 
 # llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert", "qwen3next")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert",
+                           "lfm2", "qwen3next")
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
 MAX_SIZE = 2**63
 ATTENTION_LAYER_TYPES = ("full", "sliding")
@@ -195,6 +196,8 @@ class ModelConfig:
     type_vocab_size: int = 0
     sep_token_id: int | None = None
     num_labels: int = 0
+    # LFM2: the taps of its layers' gated short convolution (layers/short_conv.py); 0: no such layers
+    conv_kernel: int = 0
     # Qwen3-Next (models/qwen3_next.py): gated delta net layers ("linear_attention": linear_* sizes, a
     # causal convolution of linear_conv_kernel taps), attention rotating only the first rotary_dim
     # channels of a head (None: all), and a sigmoid-gated shared expert beside the routed ones
@@ -250,6 +253,10 @@ class ModelConfig:
         if any(t not in LAYER_TYPES for t in self.layer_types):
             bad = next(t for t in self.layer_types if t not in LAYER_TYPES)
             raise ConfigError("layer_types", f"layer_types must be {' or '.join(LAYER_TYPES)}, got {short_repr(bad)}")
+        if self.conv_kernel:  # the loaders of LFM2 always set it
+            _positive_int("conv_kernel", self.conv_kernel)
+            if self.conv_kernel < 2:
+                raise ConfigError("conv_kernel", f"conv_kernel must be at least 2, got {self.conv_kernel}")
         self._check_qwen3next()
         if self.bos_token_id is not None:
             self._token_id("bos_token_id", self.bos_token_id)

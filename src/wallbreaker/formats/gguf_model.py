@@ -14,6 +14,7 @@ from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor, open_gguf
 from .gguf_slice import block_loaders, part_loader
 from . import qwen3_next
+from .lfm2 import gguf_layer_heads as lfm2_layer_heads
 from .names import FUSED_GATE_UP, llama_unpermute
 from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef, check_weights, split_fused
@@ -33,6 +34,7 @@ _KNOWN_KEYS = frozenset({
     "rope.scaling.finetuned", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
     "rope.scaling.yarn_attn_factor", "attn_logit_softcapping", "final_logit_softcapping", "expert_count",
     "expert_used_count", "expert_feed_forward_length", "expert_weights_norm",
+    "shortconv.l_cache",  # LFM2
 })
 # Keys whose every value but one (or absence) changes the math: accepted at that value only.
 _NEUTRAL_KEYS = {
@@ -173,6 +175,14 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError(f"{name}: metadata {a}rope.freq_base_swa without a sliding window is not supported")
     if arch in ("qwen3", "qwen3moe"):
         extra["qk_norm"] = True
+    if arch == "lfm2":  # its head_count_kv is one count a layer, 0 for a convolution
+        if window:
+            raise UnsupportedModelError(f"{name}: metadata {a}attention.sliding_window is not supported for lfm2")
+        kv_heads, layer_types = lfm2_layer_heads(name, a + "attention.head_count_kv",
+                                                 raw(a + "attention.head_count_kv", _REQUIRED), layers)
+        extra.update(layer_types=layer_types, qk_norm=True, conv_kernel=integer(a + "shortconv.l_cache"))
+    else:
+        kv_heads = integer(a + "attention.head_count_kv", heads)
     if arch == qwen3_next.ARCH:
         extra.update(qwen3_next.config_from_gguf(gf, a, layers, integer))
     experts = integer(a + "expert_count", 0)
@@ -192,7 +202,8 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
             "layer_types": "attention.sliding_window_pattern", "rope_local_theta": "rope.freq_base_swa",
             "attn_logit_softcap": "attn_logit_softcapping", "final_logit_softcap": "final_logit_softcapping",
             "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
-            "expert_intermediate_size": "expert_feed_forward_length", **qwen3_next.GGUF_FIELD_KEYS}
+            "expert_intermediate_size": "expert_feed_forward_length", "conv_kernel": "shortconv.l_cache",
+            **qwen3_next.GGUF_FIELD_KEYS}
     ff = integer(a + "feed_forward_length", None if experts else _REQUIRED)
     if ff is None:  # an MoE file may give only the experts' width
         ff = integer(a + "expert_feed_forward_length")
@@ -200,7 +211,7 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         return ModelConfig(
             architecture=arch, vocab_size=vocab, hidden_size=hidden,
             intermediate_size=ff, num_layers=layers,
-            num_heads=heads, num_kv_heads=integer(a + "attention.head_count_kv", heads),
+            num_heads=heads, num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=number(a + "attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=number(a + "rope.freq_base", 10000.0), rope_scaling=rope_scaling,

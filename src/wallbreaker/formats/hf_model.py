@@ -14,6 +14,7 @@ from ..config import ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeSc
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
 from . import qwen3_next
+from .lfm2 import hf_config_keys as lfm2_config_keys, squeeze_conv_weights
 from .names import GEMMA_ARCHITECTURES, adds_one, hf_expert, hf_to_canonical_table, is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
 from .tokenizer import Tokenizer, check_token_ids
@@ -22,7 +23,7 @@ from .weights import ModelFiles, WeightRef, check_weights, split_fused, stacked_
 # model_type -> ModelConfig.architecture (llama.cpp's names: Mistral and Mixtral are llama)
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                 "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3",
-                "qwen3_next": "qwen3next"}
+                "lfm2": "lfm2", "qwen3_next": "qwen3next"}
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -52,6 +53,8 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if quantized:
         weights.update(read_quantized_weights(path, config, hf["quantization_config"]))
     split_fused(str(path), config, weights)
+    if config.architecture == "lfm2":
+        squeeze_conv_weights(weights)
     if config.architecture == qwen3_next.ARCH:
         qwen3_next.canonical_hf_weights(str(path), config, weights)
     check_weights(str(path), config, weights)
@@ -96,7 +99,7 @@ _HF_KEYS = {
     "eos_token_ids": "eos_token_id", "attn_logit_softcap": "attn_logit_softcapping",
     "final_logit_softcap": "final_logit_softcapping", "num_experts": "num_local_experts",
     "num_experts_per_tok": "num_experts_per_tok", "expert_intermediate_size": "moe_intermediate_size",
-    "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act",
+    "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act", "conv_kernel": "conv_L_cache",
 }
 _HF_KEYS.update(qwen3_next.HF_FIELD_KEYS)
 _REQUIRED = object()
@@ -115,6 +118,9 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     if arch is None:
         raise UnsupportedModelError(f"{path}: unsupported model_type {short_repr(hf.get('model_type'))} "
                                     f"(supported: {', '.join(_MODEL_TYPES)})")
+    arch_fields: dict[str, Any] = {}  # what only this architecture has
+    if arch == "lfm2":  # its keys renamed to the others' (before the readers below bind `hf`)
+        hf, arch_fields = lfm2_config_keys(hf, where)
 
     def get(key: str, default: Any = _REQUIRED, within: dict[str, Any] = hf) -> Any:
         value = within.get(key, default)
@@ -183,6 +189,7 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
                      num_experts_per_tok=hf.get("num_experts_per_tok"),
                      expert_intermediate_size=hf.get("moe_intermediate_size"),
                      norm_topk_prob=hf.get("norm_topk_prob", False))
+    extra.update(arch_fields)
     try:
         return ModelConfig(
             architecture=arch, vocab_size=get("vocab_size"), hidden_size=hidden,
@@ -337,7 +344,8 @@ def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path,
             name = table.get(hf_name)
             expert = hf_expert(cfg.architecture, hf_name) if name is None and cfg.is_moe else None
             if name is None and expert is None:
-                if is_derived(hf_name) or qwen3_next.is_mtp(cfg.architecture, hf_name) or (quantized and hf_name.rsplit(".", 1)[-1] in QUANTIZED_PARTS):
+                if is_derived(hf_name) or qwen3_next.is_mtp(cfg.architecture, hf_name) or (
+                        quantized and hf_name.rsplit(".", 1)[-1] in QUANTIZED_PARTS):
                     continue
                 raise ModelFormatError(f"{file.name}: tensor {hf_name!r} is not used by the {cfg.architecture} "
                                        f"architecture; refusing to run the model without it")

@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from .lfm2 import hf_tensor_names as lfm2_tensor_names
+
 # The fused tensors of a Phi-3 folder, as the table names them before the reader splits them.
 FUSED_QKV = "attn_qkv.weight"
 FUSED_GATE_UP = "ffn_gate_up.weight"
@@ -52,6 +54,8 @@ _DERIVED = re.compile(r".*\.rotary_emb\.inv_freq")
 
 def hf_to_canonical_table(architecture: str, num_layers: int, moe: bool = False) -> dict[str, str]:
     """HF name -> canonical name of every tensor but the experts' (`hf_expert`)."""
+    if architecture == "lfm2":
+        return lfm2_tensor_names(num_layers)
     table = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
