@@ -167,7 +167,7 @@ def test_draft_model_speculation_is_token_for_token_plain_greedy(lfm2_folder, ll
 def test_preemption_in_a_small_pool_gives_the_same_tokens(lfm2_folder, plain):
     from wallbreaker.kv.cache import bytes_per_block
     cfg = make_llm(lfm2_folder).model_config
-    small = make_llm(lfm2_folder, kv_block_size=4, kv_cache_memory_gb=48 * bytes_per_block(cfg, 4, torch.float32) / 2**30)
+    small = make_llm(lfm2_folder, kv_block_size=4, kv_cache_memory_gb=96 * bytes_per_block(cfg, 4, torch.float32) / 2**30)
     assert greedy_of(small, engine_prompts(8)) == plain
     stats = small.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0 and holds_only_checkpoints(small)
