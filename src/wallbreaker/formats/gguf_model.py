@@ -13,7 +13,7 @@ from .chat_template import ChatTemplate
 from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor, open_gguf
 from .gguf_slice import block_loaders, part_loader
-from . import qwen3_next
+from . import qwen3_next, qwen3_next_weights
 from .lfm2 import gguf_layer_heads as lfm2_layer_heads
 from .names import FUSED_GATE_UP, llama_unpermute
 from .tokenizer import Tokenizer, check_token_ids
@@ -59,7 +59,7 @@ def read_gguf_model(path: Path) -> ModelFiles:
                 ref = weights.pop(f"blk.{i}.ffn_up.weight")
                 weights[f"blk.{i}.{FUSED_GATE_UP}"] = ref
     if config.architecture == qwen3_next.ARCH:
-        qwen3_next.drop_mtp_layers(config, weights)
+        qwen3_next_weights.drop_mtp_layers(config, weights)
     split_fused(label, config, weights)
     check_weights(label, config, weights)
     try:

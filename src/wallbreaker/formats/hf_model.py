@@ -13,7 +13,7 @@ from safetensors import safe_open
 from ..config import ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
-from . import qwen3_next
+from . import qwen3_next, qwen3_next_weights
 from .lfm2 import hf_config_keys as lfm2_config_keys, squeeze_conv_weights
 from .names import GEMMA_ARCHITECTURES, adds_one, hf_expert, hf_to_canonical_table, is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
@@ -56,7 +56,7 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if config.architecture == "lfm2":
         squeeze_conv_weights(weights)
     if config.architecture == qwen3_next.ARCH:
-        qwen3_next.canonical_hf_weights(str(path), config, weights)
+        qwen3_next_weights.canonical_hf_weights(str(path), config, weights)
     check_weights(str(path), config, weights)
     tokenizer = Tokenizer.from_hf_folder(path)
     check_token_ids(tokenizer, config.vocab_size, str(path), "the embedding (config.json vocab_size)")

@@ -1,7 +1,8 @@
 """Qwen3-Next's files: its config keys (config.json and llama.cpp's `qwen3next.*` metadata) and the
 layout of its Hugging Face tensors, brought to what llama.cpp's converter writes (the canonical form).
 
-The converter (conversion/qwen.py, Qwen3NextModel) splits the fused `in_proj_qkvz`, whose rows come
+The converter (conversion/qwen.py, Qwen3NextModel; what we do to a folder's tensors to match it is in
+qwen3_next_weights.py) splits the fused `in_proj_qkvz`, whose rows come
 per key head ([q, k, v, z] of head 0, then of head 1, ...), into `attn_qkv` (all q rows, then all k,
 then all v) and `attn_gate` (all z rows); stores -exp(A_log) as `ssm_a`, `dt_bias` as `ssm_dt.bias`,
 the convolution squeezed to [channels, kernel]; and adds 1 to every RMSNorm weight but the gated
@@ -16,7 +17,6 @@ import torch
 
 from ..config import ModelConfig, short_repr
 from ..errors import ModelFormatError
-from .weights import WeightRef
 
 ARCH = "qwen3next"
 
@@ -42,15 +42,6 @@ def is_mtp(architecture: str, hf_name: str) -> bool:
     return architecture == ARCH and hf_name.startswith("mtp.")
 
 
-def drop_mtp_layers(cfg: ModelConfig, weights: dict[str, WeightRef]) -> None:
-    """The converter's GGUF carries the multi-token prediction head as layers after the model's own
-    (`nextn_predict_layers` of them, counted in block_count): left unread, as a folder's `mtp.*`."""
-    for name in [n for n in weights if n.startswith("blk.")]:
-        layer = name.split(".", 2)[1]
-        if layer.isdigit() and int(layer) >= cfg.num_layers:
-            del weights[name]
-
-
 def qkvz_rows(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of HF's `in_proj_qkvz` that make llama.cpp's `attn_qkv` and `attn_gate`, in their order."""
     per_v = num_v_heads // num_k_heads * v_dim
@@ -62,39 +53,6 @@ def qkvz_rows(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int) -> tup
 
     qkv = torch.cat([part(0, k_dim), part(k_dim, k_dim), part(2 * k_dim, per_v)])
     return qkv, part(2 * k_dim + per_v, per_v)
-
-
-def _rows_of(ref: WeightRef, name: str, rows: torch.Tensor) -> WeightRef:
-    return WeightRef(name, (len(rows), *ref.shape[1:]), ref.stored_type, ref.nbytes * len(rows) // ref.shape[0],
-                     lambda: ref.load()[rows].contiguous())
-
-
-def _transformed(ref: WeightRef, name: str, shape: tuple[int, ...], fn) -> WeightRef:
-    return WeightRef(name, shape, ref.stored_type, ref.nbytes, lambda: fn(ref.load()))
-
-
-def canonical_hf_weights(source: str, cfg: ModelConfig, weights: dict[str, WeightRef]) -> None:
-    """A folder's tensors (under the names formats/names.py gives them) brought in place to what the
-    converter writes: `ssm_in` (the fused in_proj_qkvz) split and reordered, A_log to A, the
-    convolution squeezed. (The norms' + 1 is applied as they are read: formats/names.py `adds_one`.)"""
-    qkv_rows, z_rows = qkvz_rows(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                 cfg.linear_value_head_dim)
-    for i in range(cfg.num_layers):
-        p = f"blk.{i}."
-        fused = weights.pop(p + "ssm_in.weight", None)
-        if fused is not None:
-            if len(fused.shape) != 2 or fused.shape[0] != len(qkv_rows) + len(z_rows):
-                raise ModelFormatError(f"{source}: tensor {fused.name!r} has shape {tuple(fused.shape)}, expected "
-                                       f"({len(qkv_rows) + len(z_rows)}, {cfg.hidden_size})")
-            weights[p + "attn_qkv.weight"] = _rows_of(fused, p + "attn_qkv.weight", qkv_rows)
-            weights[p + "attn_gate.weight"] = _rows_of(fused, p + "attn_gate.weight", z_rows)
-        if p + "ssm_a" in weights:
-            ref = weights[p + "ssm_a"]
-            weights[p + "ssm_a"] = _transformed(ref, p + "ssm_a", tuple(ref.shape), lambda w: -torch.exp(w))
-        conv = weights.get(p + "ssm_conv1d.weight")
-        if conv is not None and len(conv.shape) == 3 and conv.shape[1] == 1:
-            shape = (conv.shape[0], conv.shape[2])
-            weights[p + "ssm_conv1d.weight"] = _transformed(conv, conv.name, shape, lambda w: w.reshape(w.shape[0], -1))
 
 
 def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:

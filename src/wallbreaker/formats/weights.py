@@ -10,6 +10,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ModelFormatError
 from .chat_template import ChatTemplate
+from . import qwen3_next
 from .lfm2 import FINAL_NORM as LFM2_FINAL_NORM, conv_layer_tensors
 from .names import FUSED_GATE_UP, FUSED_QKV
 from .tokenizer import Tokenizer
@@ -91,7 +92,7 @@ def split_fused(source: str, cfg: ModelConfig, weights: dict[str, WeightRef]) ->
     """Phi-3's fused projections, `blk.N.attn_qkv.weight` and `blk.N.ffn_gate_up.weight`, replaced in
     place by row views under the separate projections' names (which the model and the checks read).
     (Qwen3-Next's `attn_qkv` is its delta net's q/k/v, read as it is.)"""
-    if cfg.architecture == "qwen3next":
+    if cfg.architecture == qwen3_next.ARCH:
         return
     q, kv, ff = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     for i in range(cfg.num_layers):
@@ -131,8 +132,7 @@ class ModelFiles:
 
 def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Every tensor layer i of `cfg` reads, canonical name -> shape."""
-    if cfg.architecture == "qwen3next":
-        from . import qwen3_next
+    if cfg.architecture == qwen3_next.ARCH:
         return qwen3_next.layer_tensors(cfg, i)
     h, q, kv, ff = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     p = f"blk.{i}."
