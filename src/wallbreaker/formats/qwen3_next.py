@@ -1,13 +1,13 @@
 """Qwen3-Next's files: its config keys (config.json and llama.cpp's `qwen3next.*` metadata) and the
 layout of its Hugging Face tensors, brought to what llama.cpp's converter writes (the canonical form).
 
-The converter (conversion/qwen.py, Qwen3NextModel; what we do to a folder's tensors to match it is in
-qwen3_next_weights.py) splits the fused `in_proj_qkvz`, whose rows come
+The converter (conversion/qwen.py, Qwen3NextModel) splits the fused `in_proj_qkvz`, whose rows come
 per key head ([q, k, v, z] of head 0, then of head 1, ...), into `attn_qkv` (all q rows, then all k,
 then all v) and `attn_gate` (all z rows); stores -exp(A_log) as `ssm_a`, `dt_bias` as `ssm_dt.bias`,
 the convolution squeezed to [channels, kernel]; and adds 1 to every RMSNorm weight but the gated
 one of the delta net (`ssm_norm`), which transformers applies as w where the others are 1 + w.
-`in_proj_ba` keeps its order ([b, a] of each key head's value heads) as `ssm_ba`.
+`in_proj_ba` keeps its order ([b, a] of each key head's value heads) as `ssm_ba`. A folder's
+tensors are brought to that form in qwen3_next_weights.py.
 """
 from __future__ import annotations
 
