@@ -57,7 +57,7 @@ def main() -> None:
     rng = random.Random(0)
     vocab = llm.tokenizer.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_tokens)]
-    seq = Sequence(0, "bench", 0, list(prompt), len(prompt), SamplingParams(), None)
+    seq = Sequence(0, "bench", 0, list(prompt), len(prompt), SamplingParams(max_tokens=10**6, ignore_eos=True), None)
     scheduler = llm.engine.scheduler
     scheduler.add(seq)
     timed_step(llm, seq, [])  # the prompt

@@ -112,6 +112,8 @@ def step(s: Scheduler, runner: ModelRunner, drafts: dict | None = None, fail: bo
     for seq, d in (drafts or {}).items():
         seq.spec_token_ids = list(d)
     batch = s.schedule()
+    if not batch.seqs:  # as the engine does: nothing to run
+        return batch
     caught_up, logits = runner.run(batch)
     if fail:
         s.update_from_output(batch, StepOutput(computed=False))
@@ -251,3 +253,18 @@ def test_pool_is_sized_within_the_budget_or_refused():
     assert slots == 40
     with pytest.raises(Exception, match="raise kv_cache_memory_gb"):
         size_state_pool(shapes, 4, 0, 4, budget_bytes=2 * 4096)
+
+
+def test_a_prefix_hit_is_not_counted_as_a_free_slot_when_admitting():
+    """The checkpoint a new sequence starts from is held before the pool is asked for the step's
+    slots: counted as evictable, it was taken twice and the pool ran dry mid-admission."""
+    s, runner, states = engine(slots=1 + slots_per_sequence(0), checkpoints=1)
+    prompt = PROMPTS[0]
+    run(s, runner, [make_seq(0, prompt)], 1)  # leaves its checkpoint after 8 tokens
+    held = states.allocate()  # another's: one free slot and the evictable checkpoint remain
+    longer = make_seq(1, prompt + [3, 4, 5, 6, 7])  # from the checkpoint, it needs two slots for its step
+    s.add(longer)
+    assert not step(s, runner).seqs  # it waits
+    states.release(held)
+    assert run(s, runner, [longer], 3) == [reference(prompt + [3, 4, 5, 6, 7], 3)]
+    assert longer.num_cached_tokens == 8

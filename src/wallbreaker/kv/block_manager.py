@@ -109,19 +109,21 @@ class BlockManager:
         state = ZERO_SLOT
         if self.states is not None:
             hits, state = self._deepest_checkpoint(hits)
+            self.states.retain(state)  # held first, so that the fit below does not count it as free
         computed = len(hits) * self.block_size
         num_new = min(len(seq.token_ids) - computed, max_new_tokens)
         if (self.blocks_needed(computed + num_new) - len(hits) > self.pool.num_free
                 or not self._states_fit(seq, computed, num_new)):
             for block in reversed(hits):
                 self.pool.release(block)
+            if self.states is not None:
+                self.states.release(state)
             return 0
         seq.block_table = [b.block_id for b in hits]
         seq.block_hashes = [b.hash for b in hits]
         seq.num_computed_tokens = computed
         self._grow(seq, computed + num_new)
         if self.states is not None:
-            self.states.retain(state)
             seq.state_slot = state
             self._reserve_states(seq, num_new)
         return num_new
