@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ModelConfig
+from ..config import MAMBA2_ARCHITECTURES, ModelConfig
 from ..errors import ModelFormatError
 from .chat_template import ChatTemplate
 from .names import FUSED_GATE_UP, FUSED_QKV
@@ -127,6 +127,9 @@ class ModelFiles:
 
 def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Every tensor layer i of `cfg` reads, canonical name -> shape."""
+    if cfg.architecture in MAMBA2_ARCHITECTURES:
+        from .mamba import mamba_layer_tensors
+        return mamba_layer_tensors(cfg, i)
     h, q, kv, ff = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     p = f"blk.{i}."
     expected = {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
@@ -164,6 +167,8 @@ def check_weights(source: str, cfg: ModelConfig, weights: dict[str, WeightRef]) 
     Checked layer by layer, so that memory stays bounded whatever `num_layers` claims; a layer
     count the tensors cannot hold is refused before any layer is looked at."""
     per_layer = 6 + (4 if cfg.is_moe else 3) + 3 * cfg.qkv_bias + 2 * cfg.qk_norm + 2 * cfg.sandwich_norm
+    if cfg.architecture in MAMBA2_ARCHITECTURES:
+        per_layer = 8  # the fewest a layer has: a pure Mamba2 layer without the conv bias
     if cfg.num_layers * per_layer > len(weights):
         raise ModelFormatError(f"{source}: {cfg.num_layers} layers need at least {cfg.num_layers * per_layer} "
                                f"tensors but the model has {len(weights)}")

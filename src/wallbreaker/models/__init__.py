@@ -11,13 +11,16 @@ from ..layers.shard import Shard
 from .base import CausalLM
 from .bert import BertModel
 from .gemma import GemmaCausalLM
+from .granite_hybrid import GraniteHybridCausalLM
 from .llama import LlamaCausalLM
+from .mamba2 import Mamba2CausalLM
 from .source import WeightSource
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "llama": LlamaCausalLM, "qwen2": LlamaCausalLM, "qwen3": LlamaCausalLM, "qwen3moe": LlamaCausalLM,
     "phi3": LlamaCausalLM, "gemma2": GemmaCausalLM, "gemma3": GemmaCausalLM, "bert": BertModel,
 }  # mixtures of experts (Mixtral is llama, Qwen3-MoE qwen3moe) swap the MLP: models/moe.py
+_ARCHITECTURES.update({"mamba2": Mamba2CausalLM, "granitehybrid": GraniteHybridCausalLM})
 
 
 def generates(architecture: str) -> bool:
