@@ -10,7 +10,8 @@ import torch
 from tiny_recurrent import VOCAB, save_random_model
 
 TEXT = ("A recurrent layer keeps a fixed-size state per sequence instead of a cache that grows with the context; "
-        "the quick brown fox jumps over the lazy dog. def main(): return x + y")
+        "the quick brown fox jumps over the lazy dog. def main(): return x + y, and a paged cache keeps keys "
+        "and values in fixed blocks so that many sequences share one pool.")
 PROMPTS = ["The quick brown fox", "Once upon a time there was"]
 GREEDY_TOKENS = 12
 TIE = 1e-3  # the reference's top two logits this close: either token is right
