@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from llamacpp_converter import convert
 from tiny_mamba import GREEDY_TOKENS, PROMPTS, TEXT, assert_greedy_matches, logits_error, mamba2_config, save_model
@@ -34,7 +33,7 @@ def reference(folder):
 
 
 def make_llm(path, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", **{"kv_cache_memory_gb": 0.05, **kw})
+    return LLM(str(path), **{"dtype": "float32", "kv_cache_memory_gb": 0.05, **kw})
 
 
 def test_transformers_runs_its_own_torch_path():
@@ -65,8 +64,9 @@ def test_gguf_config_is_the_folders(folder, gguf_of):
                                max_position_embeddings=hf.max_position_embeddings) == hf
 
 
-def test_q8_0_gguf_loads_and_generates(folder, gguf_of, reference):
-    llm = make_llm(gguf_of("q8_0"))
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: the Q8_0 blocks run by our kernels
+def test_q8_0_gguf_loads_and_generates(folder, gguf_of, reference, dtype):
+    llm = make_llm(gguf_of("q8_0"), dtype=dtype)
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert logits_error(llm, reference, ids) < 0.05  # Q8_0 rounding of the projections, not a wrong model
     out = llm.generate([PROMPTS[0]], GREEDY)[0]

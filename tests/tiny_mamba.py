@@ -34,7 +34,7 @@ def granite_config(**changes):
               num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "mamba"],
               mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8,
               mamba_expand=2, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
-              attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=0.25, tie_word_embeddings=False,
+              attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=0.25, tie_word_embeddings=True,
               bos_token_id=1, eos_token_id=2, pad_token_id=0, position_embedding_type="nope")
     return GraniteMoeHybridConfig(**{**kw, **changes})
 

@@ -28,7 +28,7 @@ _GRANITE_KEYS = {"mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_sta
                  "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit"}
 _REFUSED = {"use_bias": (False, None), "mamba_proj_bias": (False, None), "attention_bias": (False, None),
             "norm_before_gate": (False, None), "normalization_function": ("rmsnorm", None),
-            "hidden_act": ("silu", None), "mlp_bias": (False, None)}
+            "hidden_act": ("silu", None), "mlp_bias": (False, None), "rms_norm": (True, None)}
 
 
 def _number(value: Any) -> Any:
