@@ -13,6 +13,7 @@ from tiny_mamba import mamba2_config, save_model
 from tiny_recurrent import load_reference, no_fused_kernels
 from wallbreaker.formats.hf_model import read_hf_folder
 from wallbreaker.layers.mamba2 import Mamba2Mixer
+from wallbreaker.models.mamba2 import mamba2_mixer
 from wallbreaker.layers.recurrent import StateMetadata, StateSpan
 from wallbreaker.models.source import WeightSource
 
@@ -27,7 +28,7 @@ def mixers(request, tmp_path_factory):
     hf = mamba2_config(**({"time_step_limit": limit} if limit else {}))
     folder = save_model(hf, tmp_path_factory.mktemp("mamba2_mixer") / "model")
     files = read_hf_folder(folder)
-    ours = Mamba2Mixer(files.config, 0, WeightSource(files.weights, torch.float32, packed=False))
+    ours = mamba2_mixer(files.config, 0, WeightSource(files.weights, torch.float32, packed=False))
     ours.state = [torch.zeros(SLOTS, *shape) for shape in ours.state_shapes()]
     return ours, load_reference(folder).backbone.layers[0].mixer
 

@@ -10,6 +10,7 @@ import torch
 from ..config import MAMBA2_ARCHITECTURES, ModelConfig
 from ..errors import ModelFormatError
 from .chat_template import ChatTemplate
+from .mamba_tensors import mamba_layer_tensors
 from .names import FUSED_GATE_UP, FUSED_QKV
 from .tokenizer import Tokenizer
 
@@ -128,7 +129,6 @@ class ModelFiles:
 def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Every tensor layer i of `cfg` reads, canonical name -> shape."""
     if cfg.architecture in MAMBA2_ARCHITECTURES:
-        from .mamba import mamba_layer_tensors
         return mamba_layer_tensors(cfg, i)
     h, q, kv, ff = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     p = f"blk.{i}."

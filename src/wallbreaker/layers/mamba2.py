@@ -18,23 +18,33 @@ are linked by their end states. Both are pure functions: they return new states,
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..config import ModelConfig
+from .attention import AttentionMetadata
 from .recurrent import RecurrentMixer, scan_spans
 
-if TYPE_CHECKING:
-    from ..models.source import WeightSource
-    from .attention import AttentionMetadata
+
+@dataclass
+class Mamba2Weights:
+    """A mixer's small float32 tensors (the projections are modules of their own)."""
+
+    conv_weight: torch.Tensor  # [conv_dim, K]
+    conv_bias: torch.Tensor | None  # [conv_dim]
+    A: torch.Tensor  # [heads]: -exp(A_log)
+    D: torch.Tensor  # [heads]
+    dt_bias: torch.Tensor  # [heads]
+    norm_weight: torch.Tensor  # [inner]
 
 
 class Mamba2Mixer(RecurrentMixer):
-    def __init__(self, cfg: ModelConfig, layer: int, src: "WeightSource"):
+    def __init__(self, cfg: ModelConfig, in_proj: nn.Module, out_proj: nn.Module, w: Mamba2Weights):
+        """`in_proj`: hidden -> z (inner) | xBC (conv_dim) | dt (heads); `out_proj`: inner -> hidden."""
         super().__init__()
-        p = f"blk.{layer}."
         self.num_heads, self.head_dim = cfg.ssm_num_heads, cfg.ssm_head_dim
         self.num_groups, self.state_size = cfg.ssm_num_groups, cfg.ssm_state_size
         self.inner = self.num_heads * self.head_dim
@@ -43,21 +53,17 @@ class Mamba2Mixer(RecurrentMixer):
         self.chunk_size = cfg.ssm_chunk_size
         self.dt_min, self.dt_max = cfg.ssm_time_step_limit
         self.eps = cfg.rms_norm_eps
-        self.in_proj = src.linear([p + "ssm_in.weight"])  # -> [T, inner (z) + conv_dim (xBC) + heads (dt)]
-        self.out_proj = src.linear([p + "ssm_out.weight"])
-        f32 = {"dtype": torch.float32}
-        self.conv_weight = src.weights[p + "ssm_conv1d.weight"].load().to(**f32).t().contiguous()  # [K, conv_dim]
-        bias = src.weights.get(p + "ssm_conv1d.bias")
-        self.conv_bias = bias.load().to(**f32) if bias is not None else torch.zeros(self.conv_dim)
-        self.A = src.weights[p + "ssm_a"].load().to(**f32).reshape(self.num_heads)  # -exp(A_log)
-        self.D = src.weights[p + "ssm_d"].load().to(**f32).reshape(self.num_heads)
-        self.dt_bias = src.weights[p + "ssm_dt.bias"].load().to(**f32).reshape(self.num_heads)
-        self.norm_weight = src.weights[p + "ssm_norm.weight"].load().to(**f32).reshape(self.inner)
+        self.in_proj, self.out_proj = in_proj, out_proj
+        f32 = torch.float32
+        self.conv_weight = w.conv_weight.to(f32).t().contiguous()  # [K, conv_dim]
+        self.conv_bias = w.conv_bias.to(f32) if w.conv_bias is not None else torch.zeros(self.conv_dim)
+        self.A, self.D, self.dt_bias = (t.to(f32).reshape(self.num_heads) for t in (w.A, w.D, w.dt_bias))
+        self.norm_weight = w.norm_weight.to(f32).reshape(self.inner)
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.state_size)]
 
-    def forward(self, x: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         zxbcdt = self.in_proj(x).float()  # [T, inner + conv_dim + heads]
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         y = scan_spans(meta.state, self.state, (xbc, dt), self.step, self.chunk)  # [T, inner]

@@ -17,9 +17,9 @@ from .. import _C
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
 from ..layers.direct import DirectModule
-from ..layers.mamba2 import Mamba2Mixer
 from .base import CausalLM, rms_norm
 from .llama import Attention
+from .mamba2 import mamba2_mixer
 from .moe import SparseMoE
 from .source import WeightSource
 
@@ -65,7 +65,7 @@ class GraniteHybridLayer(DirectModule):
             if not cfg.attention_rope:
                 self.attn.rope = NoRope(cfg.head_dim)
         else:
-            self.mixer = Mamba2Mixer(cfg, layer, src)
+            self.mixer = mamba2_mixer(cfg, layer, src)
         self.ffn_norm = rms_norm(src, p + "ffn_norm.weight", cfg.rms_norm_eps)
         self.moe = SparseMoE(cfg, layer, src) if cfg.is_moe else None
         self.mlp = GatedMLP(src, p, "_shexp" if cfg.is_moe else "", cfg.hidden_act)
