@@ -164,6 +164,17 @@ def test_ngram_speculation_keeps_the_greedy_tokens(folder_of, prompts):
     assert outs[-1].metrics.get("spec_proposed_tokens", 0) > 0
 
 
+def test_draft_model_speculation_keeps_the_greedy_tokens(folder_of, prompts, expected):
+    """SmolLM2-135M (the same tokenizer) drafts; the random target rejects its drafts, so each
+    verification keeps the state after the first position and drops the rest."""
+    from wallbreaker.formats.packaged import packaged_model_path
+    llm = make_llm(folder_of("moe"), speculative_method="draft", speculative_model=str(packaged_model_path("smollm2")),
+                   num_speculative_tokens=3, speculative_adaptive=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.metrics.get("spec_proposed_tokens", 0) > 0 for o in outs)
+
+
 def test_a_pool_too_small_for_all_keeps_the_greedy_tokens(folder_of, prompts, expected):
     llm = make_llm(folder_of("moe"), kv_block_size=4, max_num_seqs=8)
     per_slot = llm.stats()["state_bytes_per_sequence"]
