@@ -94,6 +94,23 @@ def test_gguf_config_is_the_folders(folder_of, gguf_of, variant):
                                max_position_embeddings=hf.max_position_embeddings) == hf
 
 
+@pytest.mark.parametrize("variant", ["moe", "dense", "rope"])
+def test_our_gguf_writer_round_trip_matches_transformers(tmp_path, folder_of, gguf_of, reference_of, variant):
+    """The folder's tensors written by formats/gguf_writer.py (llama.cpp's names, layouts and keys;
+    RoPE where the config has it, which the converter drops for a hybrid) read back as the same model."""
+    from wallbreaker.formats.gguf_model import read_gguf_model
+    from wallbreaker.formats.gguf_writer import write_gguf
+    from wallbreaker.formats.hf_model import read_hf_folder
+    from wallbreaker.quant.export import gguf_tokenizer_metadata
+    files = read_hf_folder(folder_of(variant))
+    tokenizer = gguf_tokenizer_metadata(read_gguf_model(gguf_of("moe")).metadata)  # SmolLM2's, as every variant's
+    path = write_gguf(tmp_path / "ours.gguf", files.config, {n: r.load() for n, r in files.weights.items()}, tokenizer)
+    llm = make_llm(path)
+    assert llm.model_config.attention_rope == (variant == "rope")
+    ids = llm.tokenizer.encode(TEXT)[:60]
+    assert logits_error(llm, reference_of(variant), ids) < 1e-4
+
+
 @pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: the Q8_0 blocks run by our kernels
 def test_q8_0_gguf_loads_and_generates(gguf_of, reference_of, dtype):
     llm = make_llm(gguf_of("moe", "q8_0"), dtype=dtype)

@@ -64,6 +64,18 @@ def test_gguf_config_is_the_folders(folder, gguf_of):
                                max_position_embeddings=hf.max_position_embeddings) == hf
 
 
+def test_our_gguf_writer_round_trip_matches_transformers(tmp_path, folder, gguf_of, reference):
+    from wallbreaker.formats.gguf_model import read_gguf_model
+    from wallbreaker.formats.gguf_writer import write_gguf
+    from wallbreaker.formats.hf_model import read_hf_folder
+    from wallbreaker.quant.export import gguf_tokenizer_metadata
+    files = read_hf_folder(folder)
+    tokenizer = gguf_tokenizer_metadata(read_gguf_model(gguf_of("f32")).metadata)
+    path = write_gguf(tmp_path / "ours.gguf", files.config, {n: r.load() for n, r in files.weights.items()}, tokenizer)
+    llm = make_llm(path)
+    assert logits_error(llm, reference, llm.tokenizer.encode(TEXT)[:60]) < 1e-4
+
+
 @pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: the Q8_0 blocks run by our kernels
 def test_q8_0_gguf_loads_and_generates(folder, gguf_of, reference, dtype):
     llm = make_llm(gguf_of("q8_0"), dtype=dtype)

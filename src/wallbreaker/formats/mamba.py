@@ -334,3 +334,42 @@ def mamba_config_from_gguf(gf) -> ModelConfig:
         return ModelConfig(**fields)
     except ConfigError as e:
         raise ModelFormatError(f"{name}: {e.field}: {e}") from None
+
+
+def add_mamba2_metadata(writer, c: ModelConfig) -> None:
+    """The keys llama.cpp's converter writes for mamba2 / granitehybrid (and `mamba_config_from_gguf`
+    reads). A GGUF has no SSD chunk size (it changes only the rounding) nor a time-step limit: a
+    config whose limit binds cannot be written."""
+    if c.ssm_time_step_limit != (0.0, math.inf):
+        raise ValueError(f"a GGUF cannot state time_step_limit {c.ssm_time_step_limit} (llama.cpp runs without one)")
+    w = writer
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_layers)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_ssm_conv_kernel(c.ssm_conv_kernel)
+    w.add_ssm_inner_size(c.ssm_num_heads * c.ssm_head_dim)
+    w.add_ssm_state_size(c.ssm_state_size)
+    w.add_ssm_time_step_rank(c.ssm_num_heads)
+    w.add_ssm_group_count(c.ssm_num_groups)
+    if c.architecture == "mamba2":
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        return
+    w.add_vocab_size(c.vocab_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv([c.num_kv_heads if c.is_attention(i) else 0 for i in range(c.num_layers)])
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_scaling_finetuned(c.attention_rope)
+    w.add_attention_scale(c.attention_multiplier if c.attention_multiplier is not None else c.head_dim ** -0.5)
+    w.add_embedding_scale(c.embedding_multiplier)
+    w.add_residual_scale(c.residual_multiplier)
+    w.add_logit_scale(c.logits_scaling)
+    if c.is_moe:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_shared_feed_forward_length(c.shared_mlp_size)
+    else:
+        w.add_expert_shared_feed_forward_length(c.intermediate_size)
