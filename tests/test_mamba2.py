@@ -33,7 +33,9 @@ def reference(folder):
 
 
 def make_llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "kv_cache_memory_gb": 0.05, **kw})
+    """max_model_len: without attention the block table only keys the prefix cache, and the engine
+    sizes it by max_num_seqs * max_model_len (the converter says 2**20 tokens)."""
+    return LLM(str(path), **{"dtype": "float32", "kv_cache_memory_gb": 0.05, "max_model_len": 2048, **kw})
 
 
 def test_transformers_runs_its_own_torch_path():
