@@ -202,6 +202,21 @@ def test_a_pool_too_small_for_all_keeps_the_greedy_tokens(folder_of, prompts, ex
     assert small.stats()["state_slots_total"] < 10
 
 
+def test_preemption_keeps_the_greedy_tokens(folder_of):
+    """Two long prompts in a budget whose KV half holds fewer tokens than both need (the state half
+    holds 7 slots: 2 sequences): one is preempted and recomputed."""
+    plain = make_llm(folder_of("moe"), enable_prefix_caching=False)
+    ids = plain.tokenizer.encode(TEXT * 12)
+    prompts = [ids[:440], ids[5:450], ids[10:430]]
+    expected = [plain.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    per_slot = plain.stats()["state_bytes_per_sequence"]
+    llm = make_llm(folder_of("moe"), max_num_seqs=2, prefix_state_slots=0, kv_block_size=4,
+                   kv_cache_memory_gb=2 * 7 * per_slot / 2**30)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats()["num_preemptions"] > 0
+
+
 def test_seeded_samples_are_the_same_whatever_else_is_in_the_batch(folder_of, prompts):
     seeded = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)
     llm = make_llm(folder_of("moe"))
