@@ -18,6 +18,7 @@ are linked by their end states. Both are pure functions: they return new states,
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,11 +73,11 @@ class Mamba2Mixer(RecurrentMixer):
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of y * silu(z) over each group of inner / groups channels, times the weight."""
         g = (y * F.silu(z)).view(-1, self.num_groups, self.inner // self.num_groups)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return g.view(-1, self.inner) * self.norm_weight
+        return F.rms_norm(g, (g.shape[-1],), eps=self.eps).view(-1, self.inner) * self.norm_weight
 
     def _time_step(self, dt: torch.Tensor) -> torch.Tensor:
-        return F.softplus(dt + self.dt_bias).clamp(self.dt_min, self.dt_max)
+        dt = F.softplus(dt + self.dt_bias)
+        return dt if (self.dt_min, self.dt_max) == (0.0, math.inf) else dt.clamp(self.dt_min, self.dt_max)
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, conv_dim] -> x [T, heads, head_dim]; B, C [T, heads, d_state] (each group's repeated)."""
@@ -88,16 +89,21 @@ class Mamba2Mixer(RecurrentMixer):
 
     def step(self, inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One token of each of B sequences: xbc [B, conv_dim], dt [B, heads]; conv [B, K-1, conv_dim],
-        ssm [B, heads, head_dim, d_state]."""
+        ssm [B, heads, head_dim, d_state]. Heads are taken as [groups, heads / groups], so that each
+        group's B and C broadcast over its heads without a copy."""
         xbc, dt = inputs
         conv, ssm = states
+        batch, g, r = xbc.shape[0], self.num_groups, self.num_heads // self.num_groups
         window = torch.cat([conv, xbc[:, None]], dim=1)  # [B, K, conv_dim]
-        x, b, c = self._split(F.silu((window * self.conv_weight).sum(1) + self.conv_bias))
-        dt = self._time_step(dt)  # [B, heads]
-        decay = torch.exp(dt * self.A)[..., None, None]  # [B, heads, 1, 1]
-        new_ssm = ssm * decay + (x * dt[..., None])[..., None] * b[:, :, None, :]  # [B, heads, head_dim, d_state]
-        y = (new_ssm @ c[..., None]).squeeze(-1) + x * self.D[:, None]  # [B, heads, head_dim]
-        return y.flatten(1), [window[:, 1:], new_ssm]
+        x, b, c = F.silu((window * self.conv_weight).sum(1) + self.conv_bias).split(
+            [self.inner, g * self.state_size, g * self.state_size], -1)
+        x = x.view(batch, g, r, self.head_dim, 1)
+        b, c = b.view(batch, g, 1, 1, self.state_size), c.view(batch, g, 1, self.state_size, 1)
+        dt = self._time_step(dt).view(batch, g, r, 1, 1)
+        new_ssm = ssm.reshape(batch, g, r, self.head_dim, self.state_size) * torch.exp(dt * self.A.view(g, r, 1, 1)) \
+            + (x * dt) * b  # [B, groups, heads / groups, head_dim, d_state]
+        y = new_ssm @ c + x * self.D.view(g, r, 1, 1)  # [B, groups, heads / groups, head_dim, 1]
+        return y.view(batch, self.inner), [window[:, 1:], new_ssm.view(ssm.shape)]
 
     def chunk(self, inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """L tokens of one sequence: xbc [L, conv_dim], dt [L, heads]; states [1, ...]."""
