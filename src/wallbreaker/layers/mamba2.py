@@ -100,8 +100,12 @@ class Mamba2Mixer(RecurrentMixer):
         x = x.view(batch, g, r, self.head_dim, 1)
         b, c = b.view(batch, g, 1, 1, self.state_size), c.view(batch, g, 1, self.state_size, 1)
         dt = self._time_step(dt).view(batch, g, r, 1, 1)
-        new_ssm = ssm.reshape(batch, g, r, self.head_dim, self.state_size) * torch.exp(dt * self.A.view(g, r, 1, 1)) \
-            + (x * dt) * b  # [B, groups, heads / groups, head_dim, d_state]
+        # [B, groups, heads / groups, head_dim, d_state]: the decayed state, then (x dt) B^T added in place
+        # (to the new tensor, never the state given): the state is the step's largest traffic
+        new_ssm = ssm.reshape(batch, g, r, self.head_dim, self.state_size) * torch.exp(dt * self.A.view(g, r, 1, 1))
+        flat = new_ssm.view(-1, self.head_dim, self.state_size)
+        outer_b = b.expand(batch, g, r, 1, self.state_size).reshape(-1, 1, self.state_size)
+        flat.baddbmm_((x * dt).view(-1, self.head_dim, 1), outer_b)
         y = new_ssm @ c + x * self.D.view(g, r, 1, 1)  # [B, groups, heads / groups, head_dim, 1]
         return y.view(batch, self.inner), [window[:, 1:], new_ssm.view(ssm.shape)]
 
