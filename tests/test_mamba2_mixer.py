@@ -103,3 +103,16 @@ def test_token_by_token_for_two_sequences_at_once_matches_one_pass(mixers):
     run(ours, xa, [StateSpan(0, LENGTH, 0, [(LENGTH, 7)])])  # the same sequence in one pass: the same state
     for p, f in zip(ours.state, final):
         assert torch.allclose(p[7], f[src[0]], rtol=1e-4, atol=1e-6)
+
+
+def test_the_chunk_length_is_only_a_blocking_choice(tmp_path):
+    """A model trained with 256-token chunks runs ours of 64 (layers/mamba2.py CPU_CHUNK): 150 tokens
+    are one chunk for transformers, three for us, with the same outputs and state."""
+    folder = save_model(mamba2_config(chunk_size=256), tmp_path / "model")
+    files = read_hf_folder(folder)
+    ours = mamba2_mixer(files.config, 0, WeightSource(files.weights, torch.float32, packed=False))
+    ours.state = [torch.zeros(2, *shape) for shape in ours.state_shapes()]
+    x = inputs(4, 150)
+    assert ours.chunk_size < 150 <= files.config.ssm_chunk_size
+    assert_close(run(ours, x, [StateSpan(0, 150, 0, [(150, 1)])]),
+                 reference_output(load_reference(folder).backbone.layers[0].mixer, x))
