@@ -120,6 +120,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                               const torch::Tensor& query_start, const torch::Tensor& context_lens, int64_t block_size,
                               double scale, int64_t window, double softcap);
 
+// recurrent_ops.cpp
+torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x, torch::Tensor B,
+                       torch::Tensor C, torch::Tensor dt, torch::Tensor A, torch::Tensor D);
+torch::Tensor delta_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor q, torch::Tensor k,
+                         torch::Tensor v, torch::Tensor g, torch::Tensor beta);
 // fused_ops.cpp
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& w, double eps);
 torch::Tensor gated_act(const torch::Tensor& gate_up, const std::string& act);
@@ -333,4 +338,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("q_norm"),
         py::arg("k_norm"), py::arg("eps"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
         py::arg("k_offset") = py::none(), py::arg("v_offset") = py::none());
+  m.def("ssm_step", &ssm_step, "Mamba2's one-token SSM update, state read from slot src and written to slot dst",
+        py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("x"), py::arg("B"), py::arg("C"), py::arg("dt"),
+        py::arg("A"), py::arg("D"));
+  m.def("delta_step", &delta_step, "the gated delta rule's one-token update, from slot src to slot dst",
+        py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
+        py::arg("beta"));
 }

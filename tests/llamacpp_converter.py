@@ -43,10 +43,11 @@ def converter_dir(cache: Path) -> Path:
     return target
 
 
-def convert(converter: Path, folder: Path, outtype: str, out: Path) -> Path:
-    """`folder` (a Hugging Face model) -> a GGUF of `outtype` (f32, q8_0, ...) at `out`."""
+def convert(converter: Path, folder: Path, outtype: str, out: Path, flags: tuple[str, ...] = ()) -> Path:
+    """`folder` (a Hugging Face model) -> a GGUF of `outtype` (f32, q8_0, ...) at `out`. `flags`: more
+    of the converter's options (Qwen3-Next without its MTP layers needs `--no-mtp`)."""
     if not out.is_file():
         subprocess.run([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
-                        "--outfile", str(out)], check=True, capture_output=True, timeout=600,
+                        "--outfile", str(out), *flags], check=True, capture_output=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(converter / "gguf-py")})
     return out

@@ -35,13 +35,28 @@ def reference(prompt: list[int], n: int) -> list[int]:
 
 
 class SumMixer(RecurrentMixer):
-    """State: [sum of token ids, count of tokens]."""
+    """State: [sum of token ids, count of tokens]. `in_pool`: short spans run token by token from
+    and into the pool's slots (scan_spans' `step_in_pool`, which the C++ kernels are)."""
+
+    in_pool = False
 
     def state_shapes(self):
         return [(2,)]
 
     def forward(self, x, meta):
-        return scan_spans(meta.state, self.state, (x,), self._scan, self._scan)
+        return scan_spans(meta.state, self.state, (x,), self._scan, self._scan,
+                          self._in_pool if self.in_pool else None)
+
+    def _in_pool(self, inputs, src, dst):
+        (x,), (pool,) = inputs, self.state  # x: [B, T, 1]
+        state = pool[src]
+        out = []
+        for t in range(x.shape[1]):
+            state = state + torch.cat([x[:, t], torch.ones_like(x[:, t])], 1)
+            out.append(state)
+            keep = dst[:, t] >= 0
+            pool[dst[:, t][keep]] = state[keep]
+        return torch.stack(out, 1)
 
     @staticmethod
     def _scan(inputs, states):
@@ -72,6 +87,11 @@ class SumModel(torch.nn.Module):
     def logits(self, hidden):
         ids = (hidden[:, 0].long() * 31 + hidden[:, 1].long() * 7) % VOCAB
         return torch.nn.functional.one_hot(ids, VOCAB).float()
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["torch", "in_pool"])
+def in_pool(request, monkeypatch):
+    monkeypatch.setattr(SumMixer, "in_pool", request.param)
 
 
 def engine(num_blocks=64, slots=None, max_num_seqs=8, budget=64, checkpoints=8, spec=0, caching=True):

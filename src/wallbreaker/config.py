@@ -12,7 +12,8 @@ import torch
 from .errors import InvalidRequestError
 
 # llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert",
+                           "lfm2", "qwen3next")
 MAMBA2_ARCHITECTURES = ("mamba2", "granitehybrid")  # Mamba2 mixers (layers/mamba2.py); config: formats/mamba.py
 SUPPORTED_ARCHITECTURES += MAMBA2_ARCHITECTURES
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
@@ -197,6 +198,18 @@ class ModelConfig:
     type_vocab_size: int = 0
     sep_token_id: int | None = None
     num_labels: int = 0
+    # LFM2: the taps of its layers' gated short convolution (layers/short_conv.py); 0: no such layers
+    conv_kernel: int = 0
+    # Qwen3-Next (models/qwen3_next.py): gated delta net layers ("linear_attention": linear_* sizes, a
+    # causal convolution of linear_conv_kernel taps), attention rotating only the first rotary_dim
+    # channels of a head (None: all), and a sigmoid-gated shared expert beside the routed ones
+    rotary_dim: int | None = None
+    linear_conv_kernel: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0
     # Mamba2 and Granite-4.0-H (layers/mamba2.py, models/mamba2.py, models/granite_hybrid.py): the
     # mixer's geometry (heads of ssm_head_dim channels, ssm_num_groups groups of B/C of
     # ssm_state_size, a conv of ssm_conv_kernel taps, SSD chunks of ssm_chunk_size tokens, dt
@@ -262,6 +275,11 @@ class ModelConfig:
         if any(t not in LAYER_TYPES for t in self.layer_types):
             bad = next(t for t in self.layer_types if t not in LAYER_TYPES)
             raise ConfigError("layer_types", f"layer_types must be {' or '.join(LAYER_TYPES)}, got {short_repr(bad)}")
+        if self.conv_kernel:  # the loaders of LFM2 always set it
+            _positive_int("conv_kernel", self.conv_kernel)
+            if self.conv_kernel < 2:
+                raise ConfigError("conv_kernel", f"conv_kernel must be at least 2, got {self.conv_kernel}")
+        self._check_qwen3next()
         if self.bos_token_id is not None:
             self._token_id("bos_token_id", self.bos_token_id)
         if not isinstance(self.eos_token_ids, tuple):
@@ -294,6 +312,25 @@ class ModelConfig:
             raise ConfigError("ssm_conv_bias", f"ssm_conv_bias must be true or false, got {short_repr(self.ssm_conv_bias)}")
         if not isinstance(self.attention_rope, bool):
             raise ConfigError("attention_rope", f"attention_rope must be true or false, got {short_repr(self.attention_rope)}")
+
+    def _check_qwen3next(self) -> None:
+        if self.rotary_dim is not None:
+            _positive_int("rotary_dim", self.rotary_dim)
+            if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+                raise ConfigError("rotary_dim", f"rotary_dim must be even and at most head_dim ({self.head_dim}), "
+                                                f"got {self.rotary_dim}")
+        if self.shared_expert_intermediate_size:
+            _positive_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size)
+        if "linear_attention" in self.layer_types:
+            for name in ("linear_conv_kernel", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                         "linear_num_value_heads"):
+                _positive_int(name, getattr(self, name))
+            if self.linear_conv_kernel < 2:
+                raise ConfigError("linear_conv_kernel", f"linear_conv_kernel must be at least 2, got {self.linear_conv_kernel}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ConfigError("linear_num_value_heads", f"linear_num_value_heads ({self.linear_num_value_heads}) "
+                                                            f"must be a multiple of linear_num_key_heads "
+                                                            f"({self.linear_num_key_heads})")
 
     def _token_id(self, name: str, value: object) -> None:
         if not _is_int(value):

@@ -13,6 +13,8 @@ from .chat_template import ChatTemplate
 from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor, open_gguf
 from .gguf_slice import block_loaders, part_loader
+from . import qwen3_next, qwen3_next_weights
+from .lfm2 import gguf_layer_heads as lfm2_layer_heads
 from .names import FUSED_GATE_UP, llama_unpermute
 from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef, check_weights, split_fused
@@ -32,6 +34,7 @@ _KNOWN_KEYS = frozenset({
     "rope.scaling.finetuned", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
     "rope.scaling.yarn_attn_factor", "attn_logit_softcapping", "final_logit_softcapping", "expert_count",
     "expert_used_count", "expert_feed_forward_length", "expert_weights_norm",
+    "shortconv.l_cache",  # LFM2
 })
 # Keys whose every value but one (or absence) changes the math: accepted at that value only.
 _NEUTRAL_KEYS = {
@@ -55,6 +58,8 @@ def read_gguf_model(path: Path) -> ModelFiles:
             if f"blk.{i}.ffn_up.weight" in weights:
                 ref = weights.pop(f"blk.{i}.ffn_up.weight")
                 weights[f"blk.{i}.{FUSED_GATE_UP}"] = ref
+    if config.architecture == qwen3_next.ARCH:
+        qwen3_next_weights.drop_mtp_layers(config, weights)
     split_fused(label, config, weights)
     check_weights(label, config, weights)
     try:
@@ -88,8 +93,9 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         from .mamba import mamba_config_from_gguf
         return mamba_config_from_gguf(gf)
     a = f"{arch}."
+    own = qwen3_next.GGUF_KEYS if arch == qwen3_next.ARCH else frozenset()
     for key in gf.metadata:
-        if not key.startswith(a) or key[len(a):] in _KNOWN_KEYS:
+        if not key.startswith(a) or key[len(a):] in _KNOWN_KEYS or key[len(a):] in own:
             continue
         neutral = _NEUTRAL_KEYS.get(key[len(a):], _REQUIRED)
         if neutral is _REQUIRED or gf.get(key) != neutral:
@@ -123,6 +129,8 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     hidden = integer(a + "embedding_length")
     heads = integer(a + "attention.head_count")
     layers = integer(a + "block_count")
+    if arch == qwen3_next.ARCH:  # the converter counts the multi-token prediction layers in block_count
+        layers -= integer(a + "nextn_predict_layers", 0)
     if layers > len(gf.tensors):  # before anything is built per layer
         raise ModelFormatError(f"{name}: metadata {a}block_count is {layers} but the file has only "
                                f"{len(gf.tensors)} tensors")
@@ -132,7 +140,8 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         integer(a + "vocab_size", None) or (len(tokens) if isinstance(tokens, list) else 0))
     # head_dim defaults to hidden / heads where both are usable; else ModelConfig names the bad one
     head_dim = integer(a + "attention.key_length", hidden // heads if heads > 0 and hidden > 0 else heads)
-    for key, what in (("attention.value_length", "a value head size"), ("rope.dimension_count", "partial RoPE")):
+    partial_rope = () if arch == qwen3_next.ARCH else (("rope.dimension_count", "partial RoPE"),)
+    for key, what in (("attention.value_length", "a value head size"), *partial_rope):
         value = integer(a + key, None)
         if value is not None and value != head_dim:  # our attention has one head size, rotated whole
             raise UnsupportedModelError(f"{name}: {what} is not supported: metadata {a}{key} is {value}, "
@@ -169,13 +178,23 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError(f"{name}: metadata {a}rope.freq_base_swa without a sliding window is not supported")
     if arch in ("qwen3", "qwen3moe"):
         extra["qk_norm"] = True
+    if arch == "lfm2":  # its head_count_kv is one count a layer, 0 for a convolution
+        if window:
+            raise UnsupportedModelError(f"{name}: metadata {a}attention.sliding_window is not supported for lfm2")
+        kv_heads, layer_types = lfm2_layer_heads(name, a + "attention.head_count_kv",
+                                                 raw(a + "attention.head_count_kv", _REQUIRED), layers)
+        extra.update(layer_types=layer_types, qk_norm=True, conv_kernel=integer(a + "shortconv.l_cache"))
+    else:
+        kv_heads = integer(a + "attention.head_count_kv", heads)
+    if arch == qwen3_next.ARCH:
+        extra.update(qwen3_next.config_from_gguf(gf, a, layers, integer))
     experts = integer(a + "expert_count", 0)
     if experts:
         expert_ff = integer(a + "expert_feed_forward_length", None)
         extra.update(num_experts=experts, num_experts_per_tok=integer(a + "expert_used_count"),
                      expert_intermediate_size=None if expert_ff == integer(a + "feed_forward_length", None) else expert_ff,
                      norm_topk_prob=boolean(a + "expert_weights_norm", True))
-    elif arch == "qwen3moe":
+    elif arch in ("qwen3moe", qwen3_next.ARCH):
         raise ModelFormatError(f"{name}: missing metadata key {a}expert_count")
     keys = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
             "num_layers": "block_count", "num_heads": "attention.head_count",
@@ -186,7 +205,8 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
             "layer_types": "attention.sliding_window_pattern", "rope_local_theta": "rope.freq_base_swa",
             "attn_logit_softcap": "attn_logit_softcapping", "final_logit_softcap": "final_logit_softcapping",
             "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
-            "expert_intermediate_size": "expert_feed_forward_length"}
+            "expert_intermediate_size": "expert_feed_forward_length", "conv_kernel": "shortconv.l_cache",
+            **qwen3_next.GGUF_FIELD_KEYS}
     ff = integer(a + "feed_forward_length", None if experts else _REQUIRED)
     if ff is None:  # an MoE file may give only the experts' width
         ff = integer(a + "expert_feed_forward_length")
@@ -194,7 +214,7 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         return ModelConfig(
             architecture=arch, vocab_size=vocab, hidden_size=hidden,
             intermediate_size=ff, num_layers=layers,
-            num_heads=heads, num_kv_heads=integer(a + "attention.head_count_kv", heads),
+            num_heads=heads, num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=number(a + "attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=number(a + "rope.freq_base", 10000.0), rope_scaling=rope_scaling,

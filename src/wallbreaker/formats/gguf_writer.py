@@ -197,11 +197,16 @@ def _add_architecture(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
     Gemma; for llama and Phi-3 it runs without one).
     """
     w = writer
+    # a hybrid's recurrent layers have no KV heads: one count a layer, 0 for them, as llama.cpp's LFM2 files
+    # (its Qwen3-Next files keep one count, their layers' kinds in attention.recurrent_layers)
+    per_layer = c.is_recurrent and c.architecture != "qwen3next"
+    kv_heads = [c.num_kv_heads if c.is_attention(i) else 0 for i in range(c.num_layers)] if per_layer \
+        else c.num_kv_heads
     for add, value in ((w.add_vocab_size, c.vocab_size), (w.add_context_length, c.max_position_embeddings),
                        (w.add_embedding_length, c.hidden_size), (w.add_block_count, c.num_layers),
                        (w.add_feed_forward_length, c.intermediate_size), (w.add_head_count, c.num_heads),
-                       (w.add_head_count_kv, c.num_kv_heads), (w.add_key_length, c.head_dim),
-                       (w.add_value_length, c.head_dim), (w.add_rope_dimension_count, c.head_dim),
+                       (w.add_head_count_kv, kv_heads), (w.add_key_length, c.head_dim),
+                       (w.add_value_length, c.head_dim), (w.add_rope_dimension_count, c.rotary_dim or c.head_dim),
                        (w.add_rope_freq_base, c.rope_theta), (w.add_layer_norm_rms_eps, c.rms_norm_eps)):
         add(value)
     s = c.rope_scaling
@@ -242,6 +247,11 @@ def _add_architecture(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
         writer.add_expert_used_count(c.num_experts_per_tok)
         writer.add_expert_feed_forward_length(c.expert_ffn)
         writer.add_expert_weights_norm(c.norm_topk_prob)
+    if c.conv_kernel:
+        writer.add_shortconv_l_cache(c.conv_kernel)
+    if c.architecture == "qwen3next":
+        from . import qwen3_next
+        qwen3_next.add_gguf_keys(writer, c)
 
 
 def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:

@@ -13,14 +13,17 @@ from safetensors import safe_open
 from ..config import MAMBA2_ARCHITECTURES, ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
-from .names import GEMMA_ARCHITECTURES, hf_expert, hf_to_canonical_table, is_derived, is_norm
+from . import qwen3_next, qwen3_next_weights
+from .lfm2 import hf_config_keys as lfm2_config_keys, squeeze_conv_weights
+from .names import GEMMA_ARCHITECTURES, adds_one, hf_expert, hf_to_canonical_table, is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
 from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef, check_weights, split_fused, stacked_experts
 
 # model_type -> ModelConfig.architecture (llama.cpp's names: Mistral and Mixtral are llama)
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+                "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3",
+                "lfm2": "lfm2", "qwen3_next": "qwen3next"}
 _MODEL_TYPES.update({"mamba2": "mamba2", "granitemoehybrid": "granitehybrid"})  # formats/mamba.py
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -51,6 +54,10 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if quantized:
         weights.update(read_quantized_weights(path, config, hf["quantization_config"]))
     split_fused(str(path), config, weights)
+    if config.architecture == "lfm2":
+        squeeze_conv_weights(weights)
+    if config.architecture == qwen3_next.ARCH:
+        qwen3_next_weights.canonical_hf_weights(str(path), config, weights)
     check_weights(str(path), config, weights)
     tokenizer = Tokenizer.from_hf_folder(path)
     check_token_ids(tokenizer, config.vocab_size, str(path), "the embedding (config.json vocab_size)")
@@ -93,8 +100,9 @@ _HF_KEYS = {
     "eos_token_ids": "eos_token_id", "attn_logit_softcap": "attn_logit_softcapping",
     "final_logit_softcap": "final_logit_softcapping", "num_experts": "num_local_experts",
     "num_experts_per_tok": "num_experts_per_tok", "expert_intermediate_size": "moe_intermediate_size",
-    "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act",
+    "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act", "conv_kernel": "conv_L_cache",
 }
+_HF_KEYS.update(qwen3_next.HF_FIELD_KEYS)
 _REQUIRED = object()
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # RoPE parameters we read; any other key in them changes the rotation in a way we do not run.
@@ -114,6 +122,9 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     if arch in MAMBA2_ARCHITECTURES:
         from .mamba import mamba_config_from_hf
         return mamba_config_from_hf(hf, path, arch)
+    arch_fields: dict[str, Any] = {}  # what only this architecture has
+    if arch == "lfm2":  # its keys renamed to the others' (before the readers below bind `hf`)
+        hf, arch_fields = lfm2_config_keys(hf, where)
 
     def get(key: str, default: Any = _REQUIRED, within: dict[str, Any] = hf) -> Any:
         value = within.get(key, default)
@@ -134,7 +145,7 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     def unsupported(what: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"{where}: {what} is not supported")
 
-    _refuse_unimplemented(hf, unsupported)
+    _refuse_unimplemented(qwen3_next.without_own_keys(hf) if arch == qwen3_next.ARCH else hf, unsupported)
     rope = obj("rope_parameters")
     global_rope = obj("full_attention", rope) if "full_attention" in rope else rope
     local_rope = obj("sliding_attention", rope)
@@ -172,6 +183,8 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
                      layer_types=_layer_types(hf, layers, where, "qwen" if arch.startswith("qwen") else "all"))
     if arch in ("qwen3", "qwen3moe"):
         extra["qk_norm"] = True
+    if arch == qwen3_next.ARCH:
+        extra.update(qwen3_next.config_from_hf(hf, where, unsupported))
     if model_type == "mixtral":
         extra.update(num_experts=hf.get("num_local_experts"), num_experts_per_tok=hf.get("num_experts_per_tok"))
     if arch == "qwen3moe":
@@ -180,6 +193,7 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
                      num_experts_per_tok=hf.get("num_experts_per_tok"),
                      expert_intermediate_size=hf.get("moe_intermediate_size"),
                      norm_topk_prob=hf.get("norm_topk_prob", False))
+    extra.update(arch_fields)
     try:
         return ModelConfig(
             architecture=arch, vocab_size=get("vocab_size"), hidden_size=hidden,
@@ -337,12 +351,12 @@ def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path,
             name = table.get(hf_name)
             expert = hf_expert(cfg.architecture, hf_name) if name is None and cfg.is_moe else None
             if name is None and expert is None:
-                if is_derived(hf_name) or (quantized and hf_name.rsplit(".", 1)[-1] in QUANTIZED_PARTS):
+                if is_derived(hf_name) or qwen3_next.is_mtp(cfg.architecture, hf_name) or (
+                        quantized and hf_name.rsplit(".", 1)[-1] in QUANTIZED_PARTS):
                     continue
                 raise ModelFormatError(f"{file.name}: tensor {hf_name!r} is not used by the {cfg.architecture} "
                                        f"architecture; refusing to run the model without it")
-            ref = _tensor_ref(handle, hf_name, name or hf_name,
-                              cfg.architecture in GEMMA_ARCHITECTURES and name is not None and is_norm(name))
+            ref = _tensor_ref(handle, hf_name, name or hf_name, name is not None and adds_one(cfg.architecture, name))
             if expert is None:
                 weights[name] = ref
             else:

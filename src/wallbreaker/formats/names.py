@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from .lfm2 import hf_tensor_names as lfm2_tensor_names
+
 # The fused tensors of a Phi-3 folder, as the table names them before the reader splits them.
 FUSED_QKV = "attn_qkv.weight"
 FUSED_GATE_UP = "ffn_gate_up.weight"
@@ -24,9 +26,27 @@ GEMMA_ARCHITECTURES = ("gemma2", "gemma3")  # norms stored as w, applied as 1 + 
 _EXPERTS = {
     "llama": (re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight"),
               {"w1": "ffn_gate_exps.weight", "w2": "ffn_down_exps.weight", "w3": "ffn_up_exps.weight"}),
+    "qwen3next": (re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"),
+                  {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+                   "down_proj": "ffn_down_exps.weight"}),
     "qwen3moe": (re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"),
                  {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
                   "down_proj": "ffn_down_exps.weight"}),
+}
+# Qwen3-Next's own tensors (formats/qwen3_next.py brings ssm_in, ssm_a and ssm_conv1d to the converter's form).
+_QWEN3NEXT = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "linear_attn.in_proj_qkvz.weight": "ssm_in.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 # Buffers some checkpoints carry that are recomputed from the config, never read.
 _DERIVED = re.compile(r".*\.rotary_emb\.inv_freq")
@@ -34,6 +54,8 @@ _DERIVED = re.compile(r".*\.rotary_emb\.inv_freq")
 
 def hf_to_canonical_table(architecture: str, num_layers: int, moe: bool = False) -> dict[str, str]:
     """HF name -> canonical name of every tensor but the experts' (`hf_expert`)."""
+    if architecture == "lfm2":
+        return lfm2_tensor_names(num_layers)
     table = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -61,7 +83,9 @@ def hf_to_canonical_table(architecture: str, num_layers: int, moe: bool = False)
         })
     else:
         per_layer["post_attention_layernorm.weight"] = "ffn_norm.weight"
-    if architecture in ("gemma3", "qwen3", "qwen3moe"):
+    if architecture == "qwen3next":
+        per_layer.update(_QWEN3NEXT)
+    if architecture in ("gemma3", "qwen3", "qwen3moe", "qwen3next"):
         per_layer.update({"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"})
     if architecture == "phi3":
         per_layer.update({"self_attn.qkv_proj.weight": FUSED_QKV, "mlp.gate_up_proj.weight": FUSED_GATE_UP})
@@ -101,6 +125,14 @@ def is_derived(hf_name: str) -> bool:
 
 def is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
+
+
+def adds_one(architecture: str, name: str) -> bool:
+    """Whether the folder stores this norm as w where it is applied as 1 + w (Gemma's; Qwen3-Next's but
+    its delta net's gated norm): the readers give the effective multiplier."""
+    if architecture == "qwen3next":
+        return is_norm(name) and not name.endswith("ssm_norm.weight")
+    return architecture in GEMMA_ARCHITECTURES and is_norm(name)
 
 
 def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -10,6 +10,8 @@ import torch
 from ..config import MAMBA2_ARCHITECTURES, ModelConfig
 from ..errors import ModelFormatError
 from .chat_template import ChatTemplate
+from . import qwen3_next
+from .lfm2 import FINAL_NORM as LFM2_FINAL_NORM, conv_layer_tensors
 from .mamba_tensors import mamba_layer_tensors
 from .names import FUSED_GATE_UP, FUSED_QKV
 from .tokenizer import Tokenizer
@@ -89,7 +91,10 @@ def stacked_experts(name: str, experts: list[WeightRef]) -> WeightRef:
 
 def split_fused(source: str, cfg: ModelConfig, weights: dict[str, WeightRef]) -> None:
     """Phi-3's fused projections, `blk.N.attn_qkv.weight` and `blk.N.ffn_gate_up.weight`, replaced in
-    place by row views under the separate projections' names (which the model and the checks read)."""
+    place by row views under the separate projections' names (which the model and the checks read).
+    (Qwen3-Next's `attn_qkv` is its delta net's q/k/v, read as it is.)"""
+    if cfg.architecture == qwen3_next.ARCH:
+        return
     q, kv, ff = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
@@ -128,13 +133,18 @@ class ModelFiles:
 
 def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Every tensor layer i of `cfg` reads, canonical name -> shape."""
+    if cfg.architecture == qwen3_next.ARCH:
+        return qwen3_next.layer_tensors(cfg, i)
     if cfg.architecture in MAMBA2_ARCHITECTURES:
         return mamba_layer_tensors(cfg, i)
     h, q, kv, ff = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     p = f"blk.{i}."
-    expected = {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
-                p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h),
-                p + "attn_output.weight": (h, q)}
+    expected = {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)}
+    if cfg.is_attention(i):
+        expected.update({p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h),
+                         p + "attn_output.weight": (h, q)})
+    elif cfg.layer_types[i] == "conv":
+        expected.update(conv_layer_tensors(h, cfg.conv_kernel, p))
     if cfg.is_moe:
         e, eff = cfg.num_experts, cfg.expert_ffn
         expected.update({p + "ffn_gate_inp.weight": (e, h), p + "ffn_gate_exps.weight": (e, eff, h),
@@ -143,7 +153,7 @@ def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         expected.update({p + "ffn_gate.weight": (ff, h), p + "ffn_up.weight": (ff, h), p + "ffn_down.weight": (h, ff)})
     if cfg.qkv_bias:
         expected.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.is_attention(i):
         expected.update({p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)})
     if cfg.sandwich_norm:
         expected.update({p + "post_attention_norm.weight": (h,), p + "post_ffw_norm.weight": (h,)})
@@ -151,7 +161,8 @@ def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
 
 
 def top_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    top = {"token_embd.weight": (cfg.vocab_size, cfg.hidden_size), "output_norm.weight": (cfg.hidden_size,)}
+    final_norm = LFM2_FINAL_NORM if cfg.architecture == "lfm2" else "output_norm.weight"
+    top = {"token_embd.weight": (cfg.vocab_size, cfg.hidden_size), final_norm: (cfg.hidden_size,)}
     if not cfg.tie_word_embeddings:
         top["output.weight"] = (cfg.vocab_size, cfg.hidden_size)
     if cfg.pooling is not None and cfg.pooling.task == "score":  # a decoder cross-encoder's head
@@ -167,8 +178,8 @@ def check_weights(source: str, cfg: ModelConfig, weights: dict[str, WeightRef]) 
     Checked layer by layer, so that memory stays bounded whatever `num_layers` claims; a layer
     count the tensors cannot hold is refused before any layer is looked at."""
     per_layer = 6 + (4 if cfg.is_moe else 3) + 3 * cfg.qkv_bias + 2 * cfg.qk_norm + 2 * cfg.sandwich_norm
-    if cfg.architecture in MAMBA2_ARCHITECTURES:
-        per_layer = 8  # the fewest a layer has: a pure Mamba2 layer without the conv bias
+    if cfg.is_recurrent:  # a recurrent layer's tensors differ; every layer has its two norms
+        per_layer = 2
     if cfg.num_layers * per_layer > len(weights):
         raise ModelFormatError(f"{source}: {cfg.num_layers} layers need at least {cfg.num_layers * per_layer} "
                                f"tensors but the model has {len(weights)}")

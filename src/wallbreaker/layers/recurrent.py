@@ -63,38 +63,83 @@ class StateMetadata:
 # chunk: (inputs, each [L, ...] of one sequence; states, each [1, *shape]) -> (outputs [L, ...], new states)
 StepFn = Callable[[tuple[torch.Tensor, ...], list[torch.Tensor]], tuple[torch.Tensor, list[torch.Tensor]]]
 ChunkFn = StepFn
+# step_in_pool: (inputs, each [B, T, ...]; src [B] slots; dst [B, T] slots, -1 where not kept) -> outputs
+# [B, T, ...]: T tokens of each sequence, token by token, from the pool's src slots, writing the state
+# after token t to slot dst[b, t] itself (C++: csrc/recurrent_ops.cpp), with no gather or scatter copies
+StepInPoolFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor], torch.Tensor]
+MAX_STEP_TOKENS = 16  # a span this short goes to step_in_pool (decode, verification, a short prompt)
 
 
 def scan_spans(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[torch.Tensor, ...],
-               step: StepFn, chunk: ChunkFn) -> torch.Tensor:
+               step: StepFn, chunk: ChunkFn, step_in_pool: StepInPoolFn | None = None) -> torch.Tensor:
     """Run a recurrence over a step's rows: `inputs` are per-row tensors [T, ...] (what the layer's
     input projection made), `pool` the layer's state tensors [num_slots, *shape]. Returns the
     per-row outputs [T, ...], in row order.
 
     `step` is the one-token form (a decode step: every sequence at once), `chunk` the form for
     many tokens of one sequence (prefill). Neither may write the states it is given. A span is cut
-    at its save points; each piece runs from the state the previous one ended with."""
+    at its save points; each piece runs from the state the previous one ended with. Where the layer
+    has `step_in_pool`, spans of at most MAX_STEP_TOKENS go to it instead, grouped by length."""
+    if step_in_pool is not None:
+        return _scan_in_pool(meta, pool, inputs, step, chunk, step_in_pool)
     if meta.one_token_each:
         src, dst = meta.slots(inputs[0].device)
         out, new = step(inputs, [p[src] for p in pool])
         for p, n in zip(pool, new):
             p[dst] = n.to(p.dtype)
         return out
+    return torch.cat([_scan_span(span, pool, inputs, step, chunk) for span in meta.spans])
+
+
+def _scan_span(span: StateSpan, pool: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], step: StepFn,
+               chunk: ChunkFn) -> torch.Tensor:
     outs: list[torch.Tensor] = []
-    for span in meta.spans:
-        states = [p[span.src:span.src + 1] for p in pool]
-        done = 0
-        for k, slot in [*span.saves, (span.length, -1)]:
-            if k > done:
-                rows = slice(span.start + done, span.start + k)
-                piece = tuple(x[rows] for x in inputs)
-                out, states = (step if k - done == 1 else chunk)(piece, states)
-                outs.append(out)
-                done = k
-            if slot >= 0:
-                for p, s in zip(pool, states):
-                    p[slot] = s[0].to(p.dtype)
+    states = [p[span.src:span.src + 1] for p in pool]
+    done = 0
+    for k, slot in [*span.saves, (span.length, -1)]:
+        if k > done:
+            rows = slice(span.start + done, span.start + k)
+            out, states = (step if k - done == 1 else chunk)(tuple(x[rows] for x in inputs), states)
+            outs.append(out)
+            done = k
+        if slot >= 0:
+            for p, s in zip(pool, states):
+                p[slot] = s[0].to(p.dtype)
     return torch.cat(outs)
+
+
+def _scan_in_pool(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], step: StepFn,
+                  chunk: ChunkFn, step_in_pool: StepInPoolFn) -> torch.Tensor:
+    device = inputs[0].device
+    if meta.one_token_each:
+        src, dst = meta.slots(device)
+        return step_in_pool(tuple(x[:, None] for x in inputs), src, dst[:, None]).flatten(0, 1)
+    groups = meta._memo.get("groups")
+    if groups is None:  # per span length: (rows [B * T], src [B], dst [B, T]), shared by every layer
+        by_length: dict[int, list[StateSpan]] = {}
+        for span in meta.spans:
+            if span.length <= MAX_STEP_TOKENS:
+                by_length.setdefault(span.length, []).append(span)
+        groups = []
+        for length, spans in by_length.items():
+            dst = torch.full((len(spans), length), -1, dtype=torch.long)
+            for b, span in enumerate(spans):
+                for k, slot in span.saves:
+                    dst[b, k - 1] = slot
+            rows = torch.tensor([s.start + t for s in spans for t in range(length)], device=device)
+            groups.append((rows, torch.tensor([s.src for s in spans], device=device), dst.to(device)))
+        meta._memo["groups"] = groups
+    parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
+    for rows, src, dst in groups:
+        shaped = tuple(x[rows].view(*dst.shape, *x.shape[1:]) for x in inputs)
+        parts.append((rows, step_in_pool(shaped, src, dst).flatten(0, 1)))
+    for span in meta.spans:
+        if span.length > MAX_STEP_TOKENS:
+            parts.append((slice(span.start, span.start + span.length), _scan_span(span, pool, inputs, step, chunk)))
+    out = parts[0][1].new_empty(inputs[0].shape[0], *parts[0][1].shape[1:])
+    for rows, y in parts:
+        out[rows] = y
+    return out
 
 
 class RecurrentMixer(DirectModule):

@@ -12,13 +12,17 @@ from .base import CausalLM
 from .bert import BertModel
 from .gemma import GemmaCausalLM
 from .granite_hybrid import GraniteHybridCausalLM
+from .lfm2 import Lfm2CausalLM
 from .llama import LlamaCausalLM
 from .mamba2 import Mamba2CausalLM
+from .qwen3_next import Qwen3NextCausalLM
 from .source import WeightSource
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "llama": LlamaCausalLM, "qwen2": LlamaCausalLM, "qwen3": LlamaCausalLM, "qwen3moe": LlamaCausalLM,
     "phi3": LlamaCausalLM, "gemma2": GemmaCausalLM, "gemma3": GemmaCausalLM, "bert": BertModel,
+    "lfm2": Lfm2CausalLM,
+    "qwen3next": Qwen3NextCausalLM,
 }  # mixtures of experts (Mixtral is llama, Qwen3-MoE qwen3moe) swap the MLP: models/moe.py
 _ARCHITECTURES.update({"mamba2": Mamba2CausalLM, "granitehybrid": GraniteHybridCausalLM})
 

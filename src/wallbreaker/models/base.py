@@ -28,6 +28,7 @@ class CausalLM(nn.Module):
     (None or absent in a recurrent layer, whose state-keeping module is a `RecurrentMixer`)."""
 
     layer_class: type[nn.Module]
+    final_norm = "output_norm.weight"  # the norm after the last layer (LFM2 stores it as token_embd_norm)
 
     def __init__(self, cfg: ModelConfig, src: WeightSource):
         super().__init__()
@@ -35,7 +36,7 @@ class CausalLM(nn.Module):
         self.embed, self.lm_head = src.embedding_and_head(cfg.tie_word_embeddings)
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None
         self.layers = nn.ModuleList(self.layer_class(cfg, i, src) for i in range(cfg.num_layers))
-        self.norm = rms_norm(src, "output_norm.weight", cfg.rms_norm_eps)
+        self.norm = rms_norm(src, self.final_norm, cfg.rms_norm_eps)
         self.final_softcap = cfg.final_logit_softcap
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

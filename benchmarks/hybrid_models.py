@@ -1,0 +1,79 @@
+"""Random-weight GGUFs of real hybrid models' shapes, for the speed comparison with llama.cpp
+(issue 34): transformers builds the model from the real config (random weights, its own init), it is
+saved as a Hugging Face folder with SmolLM2's tokenizer (the converter pads the vocabulary to the
+config's with [PAD] tokens), and llama.cpp's own `convert_hf_to_gguf.py` writes the GGUF (Q8_0), so
+both engines read the very file a user would have converted. Everything is written outside the
+repository (`--dir`); no weights are downloaded.
+
+measure/random_model.py writes random GGUFs itself, block by block, but only of llama's layout:
+a hybrid's metadata (per-layer KV head counts, the convolution's taps) and its unquantizable
+tensors (a [channels, 3] convolution) are the converter's to get right, so it is the converter here.
+
+    python benchmarks/hybrid_models.py --dir ~/hybrid-models              # every shape
+    python benchmarks/hybrid_models.py --dir ~/hybrid-models lfm2-350m    # one
+
+Then `wallbreaker bench -m ~/hybrid-models/lfm2-350m-q8_0.gguf --llama-cpp-dir ...` side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+# tests/ for the converter's fetcher and SmolLM2's tokenizer, in place of benchmarks/ itself, whose
+# kernels.py would shadow the `kernels` package transformers imports
+sys.path[0] = str(Path(__file__).resolve().parent.parent / "tests")
+
+
+def lfm2_350m():
+    """LiquidAI/LFM2-350M's config.json: 16 layers, attention at 2, 5, 8, 10, 12 and 14 (6), short
+    convolutions elsewhere (10); FFN 6656 before the auto-adjust (4608 after)."""
+    from transformers import Lfm2Config
+    return Lfm2Config(vocab_size=65536, hidden_size=1024, intermediate_size=6656, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=128000,
+                      norm_eps=1e-5, conv_L_cache=3, conv_bias=False, block_multiple_of=256,
+                      block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True,
+                      full_attn_idxs=[2, 5, 8, 10, 12, 14], rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 1000000.0},
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=7, pad_token_id=0)
+
+
+SHAPES = {"lfm2-350m": lfm2_350m}  # name -> the transformers config of the real model
+
+
+def build(name: str, out_dir: Path, outtype: str = "q8_0") -> Path:
+    """`out_dir/<name>-<outtype>.gguf`, made once (the HF folder beside it is removed after)."""
+    from llamacpp_converter import convert, converter_dir
+    from tiny_recurrent import save_random_model
+
+    from wallbreaker.formats.packaged import cache_dir
+    gguf = out_dir / f"{name}-{outtype}.gguf"
+    if gguf.is_file():
+        return gguf
+    folder = out_dir / f"{name}-hf"
+    torch.manual_seed(0)
+    save_random_model(SHAPES[name](), folder)
+    convert(converter_dir(cache_dir()), folder, outtype, gguf)
+    shutil.rmtree(folder)
+    return gguf
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, required=True, help="where the files go (outside the repository)")
+    parser.add_argument("--outtype", default="q8_0")
+    parser.add_argument("names", nargs="*", help=f"of {', '.join(SHAPES)} (default: all)")
+    args = parser.parse_args()
+    unknown = [n for n in args.names if n not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape {unknown[0]!r} (known: {', '.join(SHAPES)})")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    for name in args.names or SHAPES:
+        print(build(name, args.dir, args.outtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+// Token-by-token recurrences of decode and verification steps, read from and written to the state
+// pool by slot (layers/recurrent.py, kv/state_pool.py), without the gather and scatter copies that
+// PyTorch would make. Per (sequence, head) the work is a few multiply-adds per state element, so
+// a step is bound by reading and writing the states: the loops are over contiguous rows, which
+// the compiler vectorizes. float32 throughout, as the pool is.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+void check_pool(const torch::Tensor& pool, const torch::Tensor& src, const torch::Tensor& dst, int64_t batch,
+                int64_t steps, const char* what) {
+  TORCH_CHECK(pool.dim() == 4 && pool.scalar_type() == torch::kFloat32 && pool.is_contiguous(), what,
+              ": the pool must be a contiguous float32 [slots, heads, rows, cols] tensor");
+  TORCH_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64 && src.numel() == batch &&
+                  dst.numel() == batch * steps && src.is_contiguous() && dst.is_contiguous(),
+              what, ": src must be int64 [batch] and dst int64 [batch, steps] slot indices");
+  const int64_t slots = pool.size(0);
+  auto s = src.data_ptr<int64_t>(), d = dst.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(s[b] >= 0 && s[b] < slots, what, ": slot out of range");
+    for (int64_t t = 0; t < steps; ++t) {
+      const int64_t slot = d[b * steps + t];
+      TORCH_CHECK(slot >= -1 && slot < slots, what, ": slot out of range");
+      TORCH_CHECK(slot != s[b], what, ": a step may not write the slot it reads (states are written out of place)");
+    }
+  }
+}
+
+void check_f32(const torch::Tensor& t, std::initializer_list<int64_t> shape, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape),
+              name, " must be a contiguous float32 tensor of shape ", c10::IntArrayRef(shape), ", got ", t.sizes());
+}
+
+}  // namespace
+
+// Both kernels run T tokens of each of B sequences (T = 1: a decode step; 1 + drafts: a speculative
+// verification), the state carried from token to token in cache, and written to the pool after
+// token t where dst[b, t] >= 0 (the states a step keeps: layers/recurrent.py). The first token
+// reads slot src[b]; no slot it reads is written.
+
+// Mamba2: state[h, p, n] <- state[h, p, n] * exp(dt[h] A[h]) + dt[h] x[h, p] B[g(h), n];
+// y[h, p] = sum_n state[h, p, n] C[g(h), n] + D[h] x[h, p]. `dt` is after softplus and its limits.
+torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x,
+                       torch::Tensor B, torch::Tensor C, torch::Tensor dt, torch::Tensor A, torch::Tensor D) {
+  const int64_t batch = x.size(0), steps = x.size(1);
+  const int64_t heads = pool.size(1), head_dim = pool.size(2), d_state = pool.size(3);
+  check_pool(pool, src, dst, batch, steps, "ssm_step");
+  const int64_t groups = B.size(2);
+  TORCH_CHECK(groups > 0 && heads % groups == 0, "ssm_step: heads must be a multiple of groups");
+  check_f32(x, {batch, steps, heads, head_dim}, "x");
+  check_f32(B, {batch, steps, groups, d_state}, "B");
+  check_f32(C, {batch, steps, groups, d_state}, "C");
+  check_f32(dt, {batch, steps, heads}, "dt");
+  check_f32(A, {heads}, "A");
+  check_f32(D, {heads}, "D");
+  auto y = torch::empty_like(x);
+  float* pool_p = pool.data_ptr<float>();
+  const float *x_p = x.data_ptr<float>(), *B_p = B.data_ptr<float>(), *C_p = C.data_ptr<float>();
+  const float *dt_p = dt.data_ptr<float>(), *A_p = A.data_ptr<float>(), *D_p = D.data_ptr<float>();
+  const int64_t *src_p = src.data_ptr<int64_t>(), *dst_p = dst.data_ptr<int64_t>();
+  float* y_p = y.data_ptr<float>();
+  const int64_t per_group = heads / groups, state_size = head_dim * d_state;
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(state_size);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / heads, h = i % heads, g = h / per_group;
+      const float* in = pool_p + (src_p[b] * heads + h) * state_size;
+      for (int64_t t = 0; t < steps; ++t) {
+        const int64_t bt = b * steps + t, slot = dst_p[bt];
+        float* out = slot >= 0 ? pool_p + (slot * heads + h) * state_size : scratch.data();
+        const float* bv = B_p + (bt * groups + g) * d_state;
+        const float* cv = C_p + (bt * groups + g) * d_state;
+        const float dtv = dt_p[bt * heads + h], decay = std::exp(dtv * A_p[h]), d = D_p[h];
+        const float* xs = x_p + (bt * heads + h) * head_dim;
+        float* ys = y_p + (bt * heads + h) * head_dim;
+        for (int64_t p = 0; p < head_dim; ++p) {
+          const float xv = xs[p], xdt = xv * dtv;
+          const float* row_in = in + p * d_state;
+          float* row_out = out + p * d_state;
+          float acc = 0.f;
+          for (int64_t n = 0; n < d_state; ++n) {
+            const float s = row_in[n] * decay + xdt * bv[n];
+            row_out[n] = s;
+            acc += s * cv[n];
+          }
+          ys[p] = acc + d * xv;
+        }
+        in = out;
+      }
+    }
+  });
+  return y;
+}
+
+// The gated delta rule (Qwen3-Next), state [heads, k_dim, v_dim]: S <- S exp(g);
+// delta = (v - S^T k) beta; S <- S + k delta^T; o = S^T q. q and k come normalized and scaled.
+torch::Tensor delta_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor q,
+                         torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta) {
+  const int64_t batch = q.size(0), steps = q.size(1);
+  const int64_t heads = pool.size(1), k_dim = pool.size(2), v_dim = pool.size(3);
+  check_pool(pool, src, dst, batch, steps, "delta_step");
+  check_f32(q, {batch, steps, heads, k_dim}, "q");
+  check_f32(k, {batch, steps, heads, k_dim}, "k");
+  check_f32(v, {batch, steps, heads, v_dim}, "v");
+  check_f32(g, {batch, steps, heads}, "g");
+  check_f32(beta, {batch, steps, heads}, "beta");
+  auto o = torch::empty_like(v);
+  float* pool_p = pool.data_ptr<float>();
+  const float *q_p = q.data_ptr<float>(), *k_p = k.data_ptr<float>(), *v_p = v.data_ptr<float>();
+  const float *g_p = g.data_ptr<float>(), *beta_p = beta.data_ptr<float>();
+  const int64_t *src_p = src.data_ptr<int64_t>(), *dst_p = dst.data_ptr<int64_t>();
+  float* o_p = o.data_ptr<float>();
+  const int64_t state_size = k_dim * v_dim;
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> delta(v_dim), acc(v_dim), scratch(state_size);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / heads, h = i % heads;
+      const float* in = pool_p + (src_p[b] * heads + h) * state_size;
+      for (int64_t t = 0; t < steps; ++t) {
+        const int64_t bt = b * steps + t, slot = dst_p[bt], row_i = bt * heads + h;
+        float* out = slot >= 0 ? pool_p + (slot * heads + h) * state_size : scratch.data();
+        const float *qv = q_p + row_i * k_dim, *kv = k_p + row_i * k_dim, *vv = v_p + row_i * v_dim;
+        const float decay = std::exp(g_p[row_i]), bt_ = beta_p[row_i];
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t r = 0; r < k_dim; ++r) {
+          const float* row = in + r * v_dim;
+          const float kr = kv[r];
+          for (int64_t c = 0; c < v_dim; ++c) acc[c] += row[c] * decay * kr;
+        }
+        for (int64_t c = 0; c < v_dim; ++c) delta[c] = (vv[c] - acc[c]) * bt_;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t r = 0; r < k_dim; ++r) {
+          const float* row = in + r * v_dim;
+          float* row_out = out + r * v_dim;
+          const float kr = kv[r], qr = qv[r];
+          for (int64_t c = 0; c < v_dim; ++c) {
+            const float s = row[c] * decay + kr * delta[c];
+            row_out[c] = s;
+            acc[c] += s * qr;
+          }
+        }
+        std::copy(acc.begin(), acc.end(), o_p + row_i * v_dim);
+        in = out;
+      }
+    }
+  });
+  return o;
+}

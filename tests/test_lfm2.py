@@ -1,0 +1,287 @@
+"""LFM2 end to end against transformers on the same random weights, from a Hugging Face folder and
+from llama.cpp's converter (F32, and Q8_0 that must load and generate): float32 logits and greedy
+tokens; the engine's behaviours (chunked prefill, speculation, the prefix cache, preemption, forks)
+keep greedy output exact on its convolution states."""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_architectures import GREEDY_TOKENS, PROMPTS, TEXT as ATTENTION_TEXT, assert_greedy_matches
+from tiny_recurrent import VOCAB, load_reference, no_fused_kernels, save_random_model
+
+from wallbreaker import LLM, SamplingParams
+
+TEXT = ATTENTION_TEXT + " A short convolution keeps the last few inputs of each channel: a state of fixed size."
+GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+
+
+def lfm2_config():
+    """Two convolutions and two attention layers; an FFN width that `block_auto_adjust_ff_dim`
+    changes (2/3 of 300 = 200, rounded up to 224), so that a loader ignoring it fails."""
+    from transformers import Lfm2Config
+    return Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=300, block_multiple_of=32,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def lfm2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_random_model(lfm2_config(), tmp_path_factory.mktemp("lfm2") / "hf")
+
+
+@pytest.fixture(scope="session")
+def lfm2_gguf(lfm2_folder: Path, llamacpp_converter) -> Callable:
+    from llamacpp_converter import convert
+
+    def get(outtype: str) -> Path:
+        return convert(llamacpp_converter, lfm2_folder, outtype, lfm2_folder.parent / f"lfm2-{outtype}.gguf")
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(lfm2_folder: Path):
+    return load_reference(lfm2_folder)
+
+
+def test_transformers_runs_its_own_torch_path():
+    assert no_fused_kernels() == []
+
+
+@pytest.mark.parametrize("source", ["hf", "f32"])
+def test_matches_transformers(request, lfm2_folder, reference, source):
+    # the converter only where it is used: without it (a skip) the folder is still tested
+    path = lfm2_folder if source == "hf" else request.getfixturevalue("lfm2_gguf")(source)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05)
+    cfg = llm.model_config
+    assert cfg.layer_types == ("conv", "full", "conv", "full") and cfg.intermediate_size == 224
+    ids = llm.tokenizer.encode(TEXT)[:60]
+    assert len(ids) >= 40
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    error = (llm.logits(ids) - expected).abs().max() / (expected.max() - expected.min())
+    assert error.item() < 1e-4
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for p, out in zip(prompts, outs):
+        assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
+        assert_greedy_matches(reference, p, out.outputs[0].token_ids)
+
+
+def test_q8_0_gguf_loads_and_generates(lfm2_gguf, reference):
+    """The converter's Q8_0 (the projections quantized; the convolution's 3 taps a row stay F32), on
+    the float32 path and on the packed one: close to transformers, not equal."""
+    path = lfm2_gguf("q8_0")
+    ids = None
+    for dtype in ("float32", "auto"):
+        llm = LLM(str(path), dtype=dtype, kv_cache_memory_gb=0.05)
+        ids = ids or llm.tokenizer.encode(TEXT)[:60]
+        with torch.no_grad():
+            expected = reference(torch.tensor([ids])).logits[0]
+        got = llm.logits(ids)
+        assert torch.isfinite(got).all()
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.8
+        outs = llm.generate([{"prompt_token_ids": llm.tokenizer.encode(p)} for p in PROMPTS], GREEDY)
+        assert all(len(o.outputs[0].token_ids) == GREEDY_TOKENS for o in outs)
+
+
+def test_any_chunking_gives_the_logits_of_one_pass(lfm2_folder):
+    llm = LLM(str(lfm2_folder), dtype="float32", kv_cache_memory_gb=0.05, kv_block_size=4)
+    ids = llm.tokenizer.encode(TEXT)[:45]
+    full = llm.logits(ids)
+    for chunk in (1, 5, 7):
+        assert (llm.logits(ids, chunk_size=chunk) - full).abs().max().item() < 1e-4
+
+
+# -- the engine's behaviours on the convolution states -------------------------------------------
+def engine_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of mixed lengths with repeated motifs (so that n-gram speculation proposes)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        motif = [rng.randrange(3, 2000) for _ in range(rng.randint(2, 6))]
+        out.append((motif * 12)[:rng.randint(3, 45)])
+    return out
+
+
+def make_llm(folder: Path, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory_gb", 0.02)
+    return LLM(str(folder), dtype="float32", **kw)
+
+
+def greedy_of(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+def holds_only_checkpoints(llm: LLM) -> bool:
+    """Once every request is done, the only state slots taken are the prefix cache's checkpoints."""
+    stats = llm.stats()
+    return stats["state_slots_used"] == stats["state_checkpoints"]
+
+
+@pytest.fixture(scope="module")
+def plain(lfm2_folder):
+    """Each engine prompt's greedy tokens, generated alone, by a plain engine."""
+    llm = make_llm(lfm2_folder)
+    return [greedy_of(llm, [p])[0] for p in engine_prompts(8)]
+
+
+@pytest.fixture(scope="module")
+def llama_draft(tmp_path_factory):
+    """A random-weight Llama with the same tokenizer: a draft that is often wrong."""
+    from transformers import LlamaConfig
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return save_random_model(config, tmp_path_factory.mktemp("lfm2_draft") / "hf", seed=1)
+
+
+def test_batched_and_chunked_prefill_give_the_tokens_of_each_prompt_alone(lfm2_folder, plain):
+    prompts = engine_prompts(8)
+    assert greedy_of(make_llm(lfm2_folder), prompts) == plain
+    assert greedy_of(make_llm(lfm2_folder, max_num_batched_tokens=5), prompts) == plain
+    long_prompt = (prompts[0] * 40)[:300]
+    llm = make_llm(lfm2_folder, max_num_batched_tokens=64)
+    assert greedy_of(llm, [long_prompt, *prompts])[1:] == plain
+
+
+def test_ngram_speculation_is_token_for_token_plain_greedy(lfm2_folder, plain):
+    llm = make_llm(lfm2_folder, speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
+    assert greedy_of(llm, engine_prompts(8)) == plain
+    stats = llm.stats()
+    assert stats["spec_proposed"] > 0 and stats["spec_accepted"] > 0
+    assert stats["kv_blocks_used"] == 0 and holds_only_checkpoints(llm)
+
+
+def test_draft_model_speculation_is_token_for_token_plain_greedy(lfm2_folder, llama_draft, plain):
+    llm = make_llm(lfm2_folder, speculative_method="draft", speculative_model=str(llama_draft),
+                   num_speculative_tokens=3, speculative_adaptive=False)
+    assert greedy_of(llm, engine_prompts(8)) == plain
+    assert llm.stats()["spec_proposed"] > 0 and holds_only_checkpoints(llm)
+
+
+def test_preemption_in_a_small_pool_gives_the_same_tokens(lfm2_folder, plain):
+    from wallbreaker.kv.cache import bytes_per_block
+    cfg = make_llm(lfm2_folder).model_config
+    small = make_llm(lfm2_folder, kv_block_size=4, kv_cache_memory_gb=96 * bytes_per_block(cfg, 4, torch.float32) / 2**30)
+    assert greedy_of(small, engine_prompts(8)) == plain
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0 and holds_only_checkpoints(small)
+
+
+def test_a_repeated_or_extended_prompt_starts_from_a_cached_state(lfm2_folder):
+    llm = make_llm(lfm2_folder, kv_block_size=4)
+    prompt = (engine_prompts(1, seed=5)[0] * 10)[:41]
+    first = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
+    again = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
+    assert again.metrics["num_cached_prompt_tokens"] > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    longer = prompt + first.outputs[0].token_ids[:5]
+    extended = llm.generate([{"prompt_token_ids": longer}], GREEDY)[0]
+    assert extended.metrics["num_cached_prompt_tokens"] > 0
+    cold = make_llm(lfm2_folder, kv_block_size=4, enable_prefix_caching=False)
+    assert greedy_of(cold, [longer]) == [extended.outputs[0].token_ids]
+
+
+def test_n_samples_sharing_the_state_equal_separate_requests(lfm2_folder):
+    """Forks share their parent's state slot; sample i of `n` with seed s is the request with seed
+    s + i computed on its own."""
+    llm = make_llm(lfm2_folder)
+    prompt = engine_prompts(1, seed=6)[0]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=7, ignore_eos=True)
+    forked = [o.token_ids for o in llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs]
+    alone = [llm.generate([{"prompt_token_ids": prompt}],
+                          SamplingParams(temperature=1.0, max_tokens=10, seed=7 + i, ignore_eos=True))[0]
+             .outputs[0].token_ids for i in range(4)]
+    assert forked == alone and len({tuple(t) for t in forked}) > 1
+    assert holds_only_checkpoints(llm)
+
+
+# -- what the loaders read and refuse ------------------------------------------------------------
+def lfm2_json(**changes) -> dict:
+    hf = {**lfm2_config().to_dict(), **changes}
+    hf.pop("full_attn_idxs", None)
+    return {k: v for k, v in hf.items() if v is not None}
+
+
+def test_layers_from_full_attn_idxs_as_transformers_reads_them():
+    from transformers import Lfm2Config
+
+    from wallbreaker.formats.hf_model import config_from_hf
+    hf = lfm2_json(full_attn_idxs=[0, 3])
+    del hf["layer_types"]
+    assert config_from_hf(hf, Path("m")).layer_types == tuple(
+        "conv" if t == "conv" else "full" for t in Lfm2Config(**hf).layer_types)
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(conv_bias=True), "conv_bias"),
+    (dict(layer_types=["conv", "sliding_attention", "conv", "full_attention"]), "sliding_attention"),
+    (dict(conv_L_cache=1), "conv_L_cache"),
+    (dict(use_pos_enc=False), "use_pos_enc"),
+])
+def test_what_we_do_not_run_is_refused_by_name(changes, named):
+    from wallbreaker.errors import ModelFormatError, UnsupportedModelError
+    from wallbreaker.formats.hf_model import config_from_hf
+    with pytest.raises((UnsupportedModelError, ModelFormatError), match=named):
+        config_from_hf(lfm2_json(**changes), Path("m"))
+
+
+def test_gguf_head_counts_mark_the_convolutions():
+    from wallbreaker.errors import ModelFormatError, UnsupportedModelError
+    from wallbreaker.formats.lfm2 import gguf_layer_heads
+    assert gguf_layer_heads("f", "k", [0, 8, 0, 8], 4) == (8, ("conv", "full", "conv", "full"))
+    with pytest.raises(UnsupportedModelError, match="different KV head counts"):
+        gguf_layer_heads("f", "k", [0, 8, 0, 4], 4)
+    with pytest.raises(ModelFormatError, match="one count a layer"):
+        gguf_layer_heads("f", "k", [0, 8], 4)
+
+
+def test_a_first_release_config_json_reads_as_transformers_reads_it():
+    """LiquidAI's first config.json: block_ff_dim, tie_embedding, full_attn_idxs, no RoPE base (so
+    transformers' default), and keys transformers ignores."""
+    from transformers import Lfm2Config
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    from wallbreaker.formats.hf_model import config_from_hf
+    hf = {"model_type": "lfm2", "vocab_size": VOCAB, "hidden_size": 64, "block_ff_dim": 400, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "norm_eps": 1e-6, "full_attn_idxs": [1],
+          "tie_embedding": True, "block_multiple_of": 64, "block_auto_adjust_ff_dim": True,
+          "block_ffn_dim_multiplier": 1.0, "conv_L_cache": 3, "use_pos_enc": True, "block_use_swiglu": True}
+    ref = Lfm2Config(**hf)
+    ours = config_from_hf(hf, Path("m"))
+    assert ours.intermediate_size == Lfm2MLP(ref).w1.out_features
+    assert ours.rope_theta == ref.rope_parameters["rope_theta"]
+    assert ours.rms_norm_eps == ref.norm_eps and ours.tie_word_embeddings == ref.tie_word_embeddings
+    assert ours.layer_types == ("conv", "full", "conv")
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "q8_0"])
+def test_our_gguf_writer_writes_what_llama_cpp_converter_writes(lfm2_folder, lfm2_gguf, tmp_path, quantized):
+    """The same keys and tensors as the converter's file (values: its F32 file's); read back, the
+    logits are the folder's (F32) or close to them (Q8_0 projections)."""
+    import gguf
+
+    from wallbreaker.formats import open_model
+    from wallbreaker.formats.gguf_file import open_gguf
+    from wallbreaker.formats.gguf_writer import write_gguf
+    files = open_model(lfm2_folder)
+    tensors = {name: ref.load() for name, ref in files.weights.items()}
+    types = {n: gguf.GGMLQuantizationType.Q8_0 for n, t in tensors.items()
+             if quantized and t.dim() == 2 and t.shape[1] % 32 == 0}
+    converted = open_gguf(lfm2_gguf("f32"))
+    tokenizer = {k: v for k, v in converted.metadata.items() if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    ours = open_gguf(write_gguf(tmp_path / "ours.gguf", files.config, tensors, tokenizer, types))
+    arch_keys = {k: v for k, v in converted.metadata.items() if k.startswith("lfm2.")}
+    for key, value in arch_keys.items():
+        assert ours.metadata[key] == pytest.approx(value), key
+    assert {n: t.shape for n, t in ours.tensors.items()} == {n: t.shape for n, t in converted.tensors.items()}
+    ids = files.tokenizer.encode(TEXT)[:45]
+    want = LLM(str(lfm2_folder), dtype="float32", kv_cache_memory_gb=0.05).logits(ids)
+    got = LLM(str(tmp_path / "ours.gguf"), dtype="float32", kv_cache_memory_gb=0.05).logits(ids)
+    error = ((got - want).abs().max() / (want.max() - want.min())).item()
+    assert error < (2e-2 if quantized else 1e-6)

@@ -1,0 +1,80 @@
+"""The C++ token-by-token recurrences (csrc/recurrent_ops.cpp) against transformers' own torch
+ones on the same inputs: Mamba2's `mamba2_selective_state_update` and Qwen3-Next's
+`torch_recurrent_gated_delta_rule`. The kernels read each sequence's state from one slot of a pool,
+run T tokens, and write the state after token t to slot dst[b, t] where one is given, leaving
+every other slot as it was."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from wallbreaker import _C
+
+# dst per step count: a decode step, and a verification whose middle state is not kept
+DST = {1: [[2], [5], [7]], 3: [[2, -1, 3], [5, 6, 8], [-1, -1, 7]]}
+SRC = [1, 4, 1]  # the first and last sequence share a slot, as forks do
+
+
+def untouched(pool, before, dst):
+    keep = [s for s in range(pool.shape[0]) if s not in {d for row in dst for d in row}]
+    return torch.equal(pool[keep], before[keep])
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_ssm_step_matches_transformers_and_writes_out_of_place(steps):
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_selective_state_update
+    torch.manual_seed(0)
+    batch, heads, head_dim, d_state, groups, slots = 3, 8, 16, 32, 2, 10
+    pool = torch.randn(slots, heads, head_dim, d_state)
+    before = pool.clone()
+    x = torch.randn(batch, steps, heads, head_dim)
+    B, C = torch.randn(batch, steps, groups, d_state), torch.randn(batch, steps, groups, d_state)
+    dt_raw, dt_bias = torch.randn(batch, steps, heads), torch.randn(heads)
+    A, D = -torch.rand(heads) * 4, torch.randn(heads)
+    y = _C.ssm_step(pool, torch.tensor(SRC), torch.tensor(DST[steps]), x, B, C, F.softplus(dt_raw + dt_bias), A, D)
+    state = before[SRC].clone()
+    for t in range(steps):
+        expected = mamba2_selective_state_update(
+            state, x[:, t], dt_raw[:, t, :, None].expand(-1, -1, head_dim), A[:, None, None].expand(-1, head_dim, d_state),
+            B[:, t], C[:, t], D[:, None].expand(-1, head_dim), dt_bias[:, None].expand(-1, head_dim), dt_softplus=True)
+        torch.testing.assert_close(y[:, t], expected, rtol=1e-5, atol=1e-5)
+        for b in range(batch):
+            if DST[steps][b][t] >= 0:
+                torch.testing.assert_close(pool[DST[steps][b][t]], state[b], rtol=1e-5, atol=1e-5)
+    assert untouched(pool, before, DST[steps])
+
+
+@pytest.mark.parametrize("k_heads,v_heads,steps", [(4, 4, 1), (2, 4, 1), (2, 4, 3)])
+def test_delta_step_matches_transformers_and_writes_out_of_place(k_heads, v_heads, steps):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+    torch.manual_seed(1)
+    batch, k_dim, v_dim, slots = 3, 16, 24, 10
+    pool = torch.randn(slots, v_heads, k_dim, v_dim) * 0.1
+    before = pool.clone()
+    q, k = torch.randn(batch, steps, k_heads, k_dim), torch.randn(batch, steps, k_heads, k_dim)
+    v = torch.randn(batch, steps, v_heads, v_dim)
+    g, beta = -torch.rand(batch, steps, v_heads), torch.rand(batch, steps, v_heads)
+    group = v_heads // k_heads
+    qn = (F.normalize(q, dim=-1, eps=1e-6) / k_dim ** 0.5).repeat_interleave(group, 2).contiguous()
+    kn = F.normalize(k, dim=-1, eps=1e-6).repeat_interleave(group, 2).contiguous()
+    o = _C.delta_step(pool, torch.tensor(SRC), torch.tensor(DST[steps]), qn, kn, v, g, beta)
+    for t in range(steps):
+        expected, final = torch_recurrent_gated_delta_rule(
+            q[:, :t + 1], k[:, :t + 1], v[:, :t + 1], g[:, :t + 1], beta[:, :t + 1], initial_state=before[SRC].clone(),
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(o[:, t], expected[:, t], rtol=1e-5, atol=1e-5)
+        for b in range(batch):
+            if DST[steps][b][t] >= 0:
+                torch.testing.assert_close(pool[DST[steps][b][t]], final[b], rtol=1e-5, atol=1e-5)
+    assert untouched(pool, before, DST[steps])
+
+
+def test_kernels_refuse_a_slot_outside_the_pool_or_writing_the_one_read():
+    pool = torch.zeros(3, 1, 1, 4)
+    args = (torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1),
+            torch.zeros(1), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        _C.ssm_step(pool, torch.tensor([0]), torch.tensor([[3]]), *args)
+    with pytest.raises(RuntimeError, match="out of place"):
+        _C.ssm_step(pool, torch.tensor([1]), torch.tensor([[1]]), *args)
