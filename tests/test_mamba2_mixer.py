@@ -21,15 +21,17 @@ LENGTH = 21  # three SSD chunks of 8 (the tiny model's chunk_size), the last one
 SLOTS = 8
 
 
-@pytest.fixture(scope="module", params=["default", "clamped"])
+@pytest.fixture(scope="module", params=["default", "clamped", "torch-step"])
 def mixers(request, tmp_path_factory):
-    """(ours, transformers') layer-0 mixers; "clamped": a time_step_limit that binds (dt is ~0.001-0.1)."""
+    """(ours, transformers') layer-0 mixers. "clamped": a time_step_limit that binds (dt is ~0.001-0.1);
+    "torch-step": short spans through the torch `step` rather than the C++ `step_in_pool`."""
     limit = {"clamped": (0.0, 0.02)}.get(request.param)
     hf = mamba2_config(**({"time_step_limit": limit} if limit else {}))
     folder = save_model(hf, tmp_path_factory.mktemp("mamba2_mixer") / "model")
     files = read_hf_folder(folder)
     ours = mamba2_mixer(files.config, 0, WeightSource(files.weights, torch.float32, packed=False))
     ours.state = [torch.zeros(SLOTS, *shape) for shape in ours.state_shapes()]
+    ours.in_pool = request.param != "torch-step"
     return ours, load_reference(folder).backbone.layers[0].mixer
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _C
 from ..config import ModelConfig
 from .attention import AttentionMetadata
 from .recurrent import RecurrentMixer, scan_spans
@@ -34,6 +35,7 @@ from .recurrent import RecurrentMixer, scan_spans
 # train with 256 (GPU kernels' tile); on a CPU the intra-chunk part, quadratic in the chunk, then
 # dominates: a 512-token prefill of Granite-4.0-H-1B's mixer takes 106 ms a layer at 256, 41 at 64.
 CPU_CHUNK = 64
+_ssm_step = _C.ssm_step
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Mamba2Weights:
 
 
 class Mamba2Mixer(RecurrentMixer):
+    in_pool = True  # short spans through `step_in_pool` (C++); False: `step`, the torch form it is tested against
+
     def __init__(self, cfg: ModelConfig, in_proj: nn.Module, out_proj: nn.Module, w: Mamba2Weights):
         """`in_proj`: hidden -> z (inner) | xBC (conv_dim) | dt (heads); `out_proj`: inner -> hidden."""
         super().__init__()
@@ -73,7 +77,8 @@ class Mamba2Mixer(RecurrentMixer):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         zxbcdt = self.in_proj(x).float()  # [T, inner + conv_dim + heads]
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        y = scan_spans(meta.state, self.state, (xbc, dt), self.step, self.chunk)  # [T, inner]
+        y = scan_spans(meta.state, self.state, (xbc, dt), self.step, self.chunk,
+                       self.step_in_pool if self.in_pool else None)  # [T, inner]
         return self.out_proj(self.gated_norm(y, z))
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -114,6 +119,26 @@ class Mamba2Mixer(RecurrentMixer):
         flat.baddbmm_((x * dt).view(-1, self.head_dim, 1), outer_b)
         y = new_ssm @ c + x * self.D.view(g, r, 1, 1)  # [B, groups, heads / groups, head_dim, 1]
         return y.view(batch, self.inner), [window[:, 1:], new_ssm.view(ssm.shape)]
+
+    def step_in_pool(self, inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """T tokens of each of B sequences on the pool itself: xbc [B, T, conv_dim], dt [B, T, heads];
+        states read from slots `src` [B], the state after token t written to slot dst[b, t] where that
+        is not -1. The SSM recurrence runs in C++ (`_C.ssm_step`), without gathering and scattering
+        the states; outputs [B, T, inner]."""
+        xbc, dt = inputs
+        conv, ssm = self.state
+        batch, steps, g = xbc.shape[0], xbc.shape[1], self.num_groups
+        seq = torch.cat([conv[src], xbc], dim=1)  # [B, K-1+T, conv_dim]
+        conv_out = self.conv_bias + sum(seq[:, k:k + steps] * self.conv_weight[k] for k in range(self.kernel))
+        keep = dst >= 0
+        after = seq.unfold(1, self.kernel - 1, 1)[:, 1:]  # [B, T, conv_dim, K-1]: the conv state after each token
+        conv[dst[keep]] = after[keep].transpose(-1, -2)
+        x, b, c = F.silu(conv_out).split([self.inner, g * self.state_size, g * self.state_size], -1)
+        y = _ssm_step(ssm, src, dst, x.contiguous().view(batch, steps, self.num_heads, self.head_dim),
+                      b.contiguous().view(batch, steps, g, self.state_size),
+                      c.contiguous().view(batch, steps, g, self.state_size),
+                      self._time_step(dt).contiguous(), self.A, self.D)
+        return y.view(batch, steps, self.inner)
 
     def chunk(self, inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """L tokens of one sequence: xbc [L, conv_dim], dt [L, heads]; states [1, ...]."""
