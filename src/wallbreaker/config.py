@@ -14,6 +14,8 @@ from .errors import InvalidRequestError
 # llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert",
                            "lfm2", "qwen3next")
+MAMBA2_ARCHITECTURES = ("mamba2", "granitehybrid")  # Mamba2 mixers (layers/mamba2.py); config: formats/mamba.py
+SUPPORTED_ARCHITECTURES += MAMBA2_ARCHITECTURES
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
 MAX_SIZE = 2**63
 ATTENTION_LAYER_TYPES = ("full", "sliding")
@@ -208,6 +210,26 @@ class ModelConfig:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     shared_expert_intermediate_size: int = 0
+    # Mamba2 and Granite-4.0-H (layers/mamba2.py, models/mamba2.py, models/granite_hybrid.py): the
+    # mixer's geometry (heads of ssm_head_dim channels, ssm_num_groups groups of B/C of
+    # ssm_state_size, a conv of ssm_conv_kernel taps, SSD chunks of ssm_chunk_size tokens, dt
+    # clamped to ssm_time_step_limit); Granite's multipliers (embeddings, each branch before the
+    # residual add, the attention scale (None: head_dim ** -0.5), the logits' divisor), its shared
+    # expert's FFN width beside the routed experts (0: none) and whether its attention rotates (RoPE).
+    ssm_num_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_num_groups: int = 0
+    ssm_state_size: int = 0
+    ssm_conv_kernel: int = 0
+    ssm_conv_bias: bool = True
+    ssm_chunk_size: int = 256
+    ssm_time_step_limit: tuple[float, float] = (0.0, math.inf)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    shared_mlp_size: int = 0
+    attention_rope: bool = True
 
     def __post_init__(self) -> None:
         """Refuse what no model can be, whichever loader read it: a loader turns the ValueError into
@@ -264,6 +286,32 @@ class ModelConfig:
             raise ConfigError("eos_token_ids", f"eos_token_ids must be a tuple, got {short_repr(self.eos_token_ids)}")
         for i in self.eos_token_ids:
             self._token_id("eos_token_ids", i)
+        if "mamba2" in self.layer_types:
+            self._check_mamba2()
+
+    def _check_mamba2(self) -> None:
+        for name in ("ssm_num_heads", "ssm_head_dim", "ssm_num_groups", "ssm_state_size", "ssm_conv_kernel",
+                     "ssm_chunk_size"):
+            _positive_int(name, getattr(self, name))
+        if self.ssm_num_heads % self.ssm_num_groups:
+            raise ConfigError("ssm_num_groups", f"ssm_num_groups ({self.ssm_num_groups}) must divide ssm_num_heads "
+                                                f"({self.ssm_num_heads})")
+        limit = self.ssm_time_step_limit
+        if not (isinstance(limit, tuple) and len(limit) == 2 and all(isinstance(v, Real) and not isinstance(v, bool)
+                                                                    for v in limit) and 0 <= limit[0] <= limit[1]):
+            raise ConfigError("ssm_time_step_limit", f"ssm_time_step_limit must be two numbers 0 <= low <= high, "
+                                                     f"got {short_repr(limit)}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            _positive_float(name, getattr(self, name))
+        if self.attention_multiplier is not None:
+            _positive_float("attention_multiplier", self.attention_multiplier)
+        if not _is_int(self.shared_mlp_size) or self.shared_mlp_size < 0:
+            raise ConfigError("shared_mlp_size", f"shared_mlp_size must be a non-negative integer, "
+                                                 f"got {short_repr(self.shared_mlp_size)}")
+        if not isinstance(self.ssm_conv_bias, bool):
+            raise ConfigError("ssm_conv_bias", f"ssm_conv_bias must be true or false, got {short_repr(self.ssm_conv_bias)}")
+        if not isinstance(self.attention_rope, bool):
+            raise ConfigError("attention_rope", f"attention_rope must be true or false, got {short_repr(self.attention_rope)}")
 
     def _check_qwen3next(self) -> None:
         if self.rotary_dim is not None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling, short_repr
+from ..config import MAMBA2_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, UnsupportedModelError
 from .chat_template import ChatTemplate
 from .dequant import dequantize
@@ -89,6 +89,9 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{name}: unsupported architecture {short_repr(arch)} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch in MAMBA2_ARCHITECTURES:
+        from .mamba import mamba_config_from_gguf
+        return mamba_config_from_gguf(gf)
     a = f"{arch}."
     own = qwen3_next.GGUF_KEYS if arch == qwen3_next.ARCH else frozenset()
     for key in gf.metadata:
@@ -292,9 +295,10 @@ def _pre_attn_scalar(scale: float) -> float:
 
 def _weight_ref(t: GGUFTensor, cfg: ModelConfig) -> WeightRef:
     heads = None
-    if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+    permuted = cfg.architecture in ("llama", "granitehybrid")  # the converter's interleaved-RoPE q/k rows
+    if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
         heads = cfg.num_heads
-    elif cfg.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+    elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
         heads = cfg.num_kv_heads
 
     def rows(x: torch.Tensor) -> torch.Tensor:

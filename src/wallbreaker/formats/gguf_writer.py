@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from wallbreaker.config import ModelConfig, RopeScaling
+from wallbreaker.config import MAMBA2_ARCHITECTURES, ModelConfig, RopeScaling
 from wallbreaker.formats.names import is_norm, llama_permute
 from wallbreaker.formats.weights import layer_tensors, top_tensors
 
@@ -84,7 +84,11 @@ def write_gguf(
     writer.add_name(name)
     writer.add_file_type(_file_type(encoded))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_architecture(writer, config)
+    if arch in MAMBA2_ARCHITECTURES:
+        from .mamba import add_mamba2_metadata
+        add_mamba2_metadata(writer, config)
+    else:
+        _add_architecture(writer, config)
     for key, value in tokenizer_metadata.items():
         _add_value(writer, key, value)
     if chat_template is not None:
@@ -102,7 +106,7 @@ def write_gguf(
 
 def _to_disk(name: str, tensor: torch.Tensor, config: ModelConfig) -> np.ndarray:
     t = tensor.detach().to("cpu", torch.float32).contiguous()
-    if config.architecture == "llama":
+    if config.architecture in ("llama", "granitehybrid"):  # interleaved-RoPE q/k rows, as the converter writes
         if name.endswith(("attn_q.weight", "attn_q.bias")):
             t = llama_permute(t, config.num_heads)
         elif name.endswith(("attn_k.weight", "attn_k.bias")):

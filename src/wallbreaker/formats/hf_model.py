@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..config import ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
+from ..config import MAMBA2_ARCHITECTURES, ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
 from . import qwen3_next, qwen3_next_weights
@@ -24,6 +24,7 @@ from .weights import ModelFiles, WeightRef, check_weights, split_fused, stacked_
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                 "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3",
                 "lfm2": "lfm2", "qwen3_next": "qwen3next"}
+_MODEL_TYPES.update({"mamba2": "mamba2", "granitemoehybrid": "granitehybrid"})  # formats/mamba.py
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -118,6 +119,9 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     if arch is None:
         raise UnsupportedModelError(f"{path}: unsupported model_type {short_repr(hf.get('model_type'))} "
                                     f"(supported: {', '.join(_MODEL_TYPES)})")
+    if arch in MAMBA2_ARCHITECTURES:
+        from .mamba import mamba_config_from_hf
+        return mamba_config_from_hf(hf, path, arch)
     arch_fields: dict[str, Any] = {}  # what only this architecture has
     if arch == "lfm2":  # its keys renamed to the others' (before the readers below bind `hf`)
         hf, arch_fields = lfm2_config_keys(hf, where)
@@ -336,6 +340,9 @@ def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path,
                          quantized: bool = False) -> dict[str, WeightRef]:
     """Canonical WeightRefs of the folder's tensors. A tensor no table entry names is refused
     (the quantized parts of a wallbreaker-quantized folder are read by quantized_hf)."""
+    if cfg.architecture in MAMBA2_ARCHITECTURES:
+        from .mamba import mamba_hf_weights
+        return mamba_hf_weights(path, cfg, handles)
     table = hf_to_canonical_table(cfg.architecture, cfg.num_layers, cfg.is_moe)
     weights: dict[str, WeightRef] = {}
     experts: dict[str, dict[int, WeightRef]] = {}

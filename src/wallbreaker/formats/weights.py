@@ -7,11 +7,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import ModelConfig
+from ..config import MAMBA2_ARCHITECTURES, ModelConfig
 from ..errors import ModelFormatError
 from .chat_template import ChatTemplate
 from . import qwen3_next
 from .lfm2 import FINAL_NORM as LFM2_FINAL_NORM, conv_layer_tensors
+from .mamba_tensors import mamba_layer_tensors
 from .names import FUSED_GATE_UP, FUSED_QKV
 from .tokenizer import Tokenizer
 
@@ -134,6 +135,8 @@ def layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Every tensor layer i of `cfg` reads, canonical name -> shape."""
     if cfg.architecture == qwen3_next.ARCH:
         return qwen3_next.layer_tensors(cfg, i)
+    if cfg.architecture in MAMBA2_ARCHITECTURES:
+        return mamba_layer_tensors(cfg, i)
     h, q, kv, ff = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     p = f"blk.{i}."
     expected = {p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)}

@@ -11,8 +11,10 @@ from ..layers.shard import Shard
 from .base import CausalLM
 from .bert import BertModel
 from .gemma import GemmaCausalLM
+from .granite_hybrid import GraniteHybridCausalLM
 from .lfm2 import Lfm2CausalLM
 from .llama import LlamaCausalLM
+from .mamba2 import Mamba2CausalLM
 from .qwen3_next import Qwen3NextCausalLM
 from .source import WeightSource
 
@@ -22,6 +24,7 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "lfm2": Lfm2CausalLM,
     "qwen3next": Qwen3NextCausalLM,
 }  # mixtures of experts (Mixtral is llama, Qwen3-MoE qwen3moe) swap the MLP: models/moe.py
+_ARCHITECTURES.update({"mamba2": Mamba2CausalLM, "granitehybrid": GraniteHybridCausalLM})
 
 
 def generates(architecture: str) -> bool:
