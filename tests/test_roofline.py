@@ -185,3 +185,20 @@ def test_inspect_describes_an_encoder_without_kv_or_decode_figures(tiny_bert_emb
     info = json.loads(run_cli("inspect", str(tiny_bert_embedding), "--json", env=env).stdout)
     assert info["pooling"]["task"] == "embed" and "kv_bytes_per_token" not in info
     assert "decode_bound_tokens_per_s" not in info
+
+
+def test_a_hybrids_state_is_counted_in_the_bytes_a_step_moves(tmp_path):
+    """Granite-4.0-H (Mamba2 mixers beside attention): the cost counts K/V of its attention layers
+    only, and each sequence's state twice (read, written anew), as large as the pool's slots are."""
+    from tiny_mamba import granite_config, save_model
+    from wallbreaker import LLM
+    from wallbreaker.measure.roofline import llm_cost
+    llm = LLM(str(save_model(granite_config(), tmp_path / "granite")), dtype="float32", kv_cache_memory_gb=0.05)
+    cost = llm_cost(llm)
+    cfg = llm.model_config
+    assert 0 < cfg.num_attention_layers < cfg.num_layers
+    assert len(cost.layer_windows) == cfg.num_attention_layers
+    assert cost.state_bytes == llm.stats()["state_bytes_per_sequence"] > 0
+    step = cost.bytes_per_step(2, 100)
+    assert step == cost.weights_read(2) + 2 * (cost.row_bytes + cost.kv_bytes(100) + 2 * cost.state_bytes)
+    assert cost.break_even_context == 2 * cost.state_bytes / cost.kv_bytes(1)

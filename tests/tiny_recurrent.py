@@ -52,28 +52,11 @@ def no_fused_kernels() -> list[str]:
     return [m for m in ("mamba_ssm", "causal_conv1d", "fla") if importlib.util.find_spec(m) is not None]
 
 
-ARCHITECTURES = ("lfm2", "mamba2", "granitemoehybrid", "qwen3_next")
-
 
 def tiny_config(model_type: str):
-    """A tiny transformers config of `model_type`: every kind of layer the architecture has, at
-    hidden size 64, with SmolLM2's vocabulary."""
+    """A tiny transformers config of `model_type` at hidden size 64, with SmolLM2's vocabulary
+    (LFM2's and the Mamba2 family's live beside their tests: test_lfm2.py, tiny_mamba.py)."""
     import transformers as tf
-    if model_type == "lfm2":
-        return tf.Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                             layer_types=["conv", "full_attention", "conv", "conv"])
-    if model_type == "mamba2":
-        return tf.Mamba2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, state_size=16, num_heads=8,
-                               head_dim=16, expand=2, n_groups=2, conv_kernel=4, chunk_size=16)
-    if model_type == "granitemoehybrid":
-        return tf.GraniteMoeHybridConfig(
-            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, shared_intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
-            layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_head=16,
-            mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
-            position_embedding_type="nope", embedding_multiplier=2.0, attention_multiplier=0.2,
-            residual_multiplier=0.5, logits_scaling=2.0, max_position_embeddings=512)
     if model_type == "qwen3_next":
         return tf.Qwen3NextConfig(
             vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -350,6 +350,30 @@ class ModelConfig:
         """Layers with a KV cache (a hybrid's others keep a fixed-size state: layers/recurrent.py)."""
         return sum(self.is_attention(i) for i in range(self.num_layers))
 
+    def state_shapes(self, layer: int) -> list[tuple[int, ...]]:
+        """Layer `layer`'s recurrent state kinds for one sequence, float32 ([] for attention): the one
+        account the state pool, `inspect` and the roofline size from (the runner checks each
+        mixer's own `state_shapes` against it). LFM2: the last conv_kernel - 1 inputs; Mamba2: those
+        of xBC, then S [heads, head_dim, d_state]; a gated delta net: those of q|k|v (channel-major),
+        then S [value heads, k_dim, v_dim]."""
+        kind = self.layer_types[layer] if self.layer_types else "full"
+        if kind == "conv":
+            return [(self.conv_kernel - 1, self.hidden_size)]
+        if kind == "mamba2":
+            conv_dim = self.ssm_num_heads * self.ssm_head_dim + 2 * self.ssm_num_groups * self.ssm_state_size
+            return [(self.ssm_conv_kernel - 1, conv_dim), (self.ssm_num_heads, self.ssm_head_dim, self.ssm_state_size)]
+        if kind == "linear_attention":
+            channels = 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+                self.linear_num_value_heads * self.linear_value_head_dim
+            return [(channels, self.linear_conv_kernel - 1),
+                    (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)]
+        return []
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """One sequence's recurrent state across all layers (read and written whole every step)."""
+        return sum(math.prod(shape) * 4 for i in range(self.num_layers) for shape in self.state_shapes(i))
+
     @property
     def is_recurrent(self) -> bool:
         """Whether any layer keeps a recurrent state (kv/state_pool.py)."""

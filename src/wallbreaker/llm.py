@@ -146,7 +146,8 @@ class LLM:
         within the memory budget: all of it for a model without attention, three quarters for a hybrid
         (whose few attention layers' pages hold many tokens in the rest: Granite-4.0-H-1B keeps 8 KB
         a token in bfloat16, where one sequence's state is 55 MB)."""
-        shapes = [m.state_shapes() for m in self.model.recurrent_layers()]
+        cfg = self.model_config
+        shapes = [cfg.state_shapes(i) for i in range(cfg.num_layers) if not cfg.is_attention(i)]
         if not shapes:
             return None
         c = self.config

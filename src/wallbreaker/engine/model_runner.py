@@ -43,7 +43,10 @@ class ModelRunner:
         for i, attn in enumerate(layers):
             attn.kv = kv_cache.layer(i)
         if states is not None:
-            for i, mixer in enumerate(model.recurrent_layers()):
+            mixers = model.recurrent_layers()
+            assert [m.state_shapes() for m in mixers] == states.layer_shapes, \
+                "the model's recurrent layers keep other states than its config accounts for"
+            for i, mixer in enumerate(mixers):
                 mixer.state = states.layer(i)
 
     @torch.inference_mode()

@@ -121,6 +121,7 @@ class KVCache:
 
 DEFAULT_MAX_GB = 4.0  # pages are zeroed on first touch, so an unused pool costs nothing, but a host shares its memory
 HEADROOM_GB = 1.0  # kept free beside the weights and the pool: activations, the interpreter, the OS
+MAX_FREE_BLOCKS = 2**16  # block ids of a model without attention layers: 1M tokens at 16 a block
 
 
 def scale_bytes(dtype: torch.dtype) -> int:
@@ -160,8 +161,8 @@ def default_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
     `max_tokens` need when the budget is the default one. A model without attention layers gets
     blocks that cost nothing (their ids still key the prefix cache). Logged at INFO."""
     per_block = bytes_per_block(config, block_size, dtype)
-    if per_block == 0:
-        return max(-(-max_tokens // block_size), 1)
+    if per_block == 0:  # ids only; a pure Mamba2 GGUF states a context of 2**20 tokens, for 64 sequences
+        return max(min(-(-max_tokens // block_size), MAX_FREE_BLOCKS), 1)
     budget = memory_budget(memory_gb, weight_bytes) - reserved_bytes
     if memory_gb is not None:
         return max(int(budget // per_block), 1)

@@ -44,6 +44,8 @@ def describe(model: str | None, json_output: bool = False) -> str:
         "kv_bytes_per_token_float32": kv_f32, "kv_bytes_per_token": kv_by_dtype,
         "bytes_read_per_decoded_token": {f"context {n}": stored.bytes_per_step(1, n) for n in (1, 512, 4096)},
     }
+    if cfg.is_recurrent:
+        info["recurrent"] = _recurrent(cfg, stored)
     encoder = not generates(cfg.architecture)
     if encoder:  # it only pools: no KV cache, no decoding, absolute positions
         for key in ("rope_theta", "tied_output_head", "kv_bytes_per_token_float32", "kv_bytes_per_token",
@@ -78,9 +80,20 @@ def describe(model: str | None, json_output: bool = False) -> str:
                  "(float tensors)")
     if encoder:
         return "\n".join(lines)
-    lines.append("  KV cache       bytes per token: " + ", ".join(f"{b:,} ({name})" for name, b in kv_by_dtype.items()))
-    lines.append("  read per decoded token (weights once, active experts only, + KV of the context in bfloat16, batch 1):"
-                 if cfg.is_moe else "  read per decoded token (weights once + KV of the context in bfloat16, batch 1):")
+    lines.append("  KV cache       bytes per token: " + ", ".join(f"{b:,} ({name})" for name, b in kv_by_dtype.items())
+                 + (f" ({cfg.num_attention_layers} attention layers of {cfg.num_layers})" if cfg.is_recurrent else ""))
+    if cfg.is_recurrent:
+        r = info["recurrent"]
+        even = r["break_even_context"]
+        lines.append(f"  state          {r['state_bytes_per_sequence']:,} bytes per sequence, float32, read and written "
+                     f"every step" + (f": the K/V reads of {even:,.0f} positions (bfloat16)" if even else
+                                      ": no KV cache at all"))
+        lines.append(f"                 {r['sequences_per_gb']} sequences' states fit in 1 GB (each step also takes a "
+                     "slot for its new state)")
+    state = " + the recurrent state, read and written" if cfg.is_recurrent else ""
+    lines.append(f"  read per decoded token (weights once, active experts only, + KV of the context in bfloat16{state}, "
+                 "batch 1):" if cfg.is_moe else
+                 f"  read per decoded token (weights once + KV of the context in bfloat16{state}, batch 1):")
     for label, b in info["bytes_read_per_decoded_token"].items():
         lines.append(f"    {label:<13} {b / 1e6:9.1f} MB")
     if bandwidth:
@@ -92,6 +105,17 @@ def describe(model: str | None, json_output: bool = False) -> str:
             row = bounds[f"batch {batch}"]
             lines.append(f"    batch {batch:<3}" + "".join(f"{row[f'context {c}']:11.1f}" for c in BOUND_CONTEXTS))
     return "\n".join(lines)
+
+
+def _recurrent(cfg, stored) -> dict:
+    """A recurrent model's state against its KV cache: per sequence, how many positions of K/V
+    reads its state's traffic is worth, and how many sequences' states (with the slot a step
+    writes) fit in a gigabyte."""
+    from ..kv.state_pool import slots_per_sequence
+    state = cfg.state_bytes_per_sequence
+    return {"state_bytes_per_sequence": state, "state_bytes_moved_per_step": 2 * state,
+            "break_even_context": stored.break_even_context,
+            "sequences_per_gb": int(2**30 // (state * (slots_per_sequence(0) - 1))) if state else None}
 
 
 def _residence(files) -> tuple[int, int, int]:

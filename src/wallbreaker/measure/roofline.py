@@ -36,7 +36,9 @@ _FLOAT_KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def layer_windows(cfg: "ModelConfig") -> tuple[int | None, ...]:
-    return tuple(cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers))
+    """Per attention layer: its sliding window, or None (a hybrid's recurrent layers read no K/V)."""
+    return tuple(cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)
+                 if cfg.is_attention(i))
 
 
 def attended_positions(windows: tuple[int | None, ...], context: int) -> int:
@@ -57,6 +59,7 @@ class DecodeCost:
     attn_kind: str  # the measured kind whose FLOP/s attention gets: `attention_<KV dtype>`
     expert_bytes: int = 0  # the part of weight_bytes that is experts
     experts: tuple[int, int] = (0, 0)  # experts in all, experts active per token
+    state_bytes: int = 0  # one sequence's recurrent state: read, and written anew, every step
 
     @property
     def active_share(self) -> float:
@@ -74,7 +77,14 @@ class DecodeCost:
         return self.kv_bytes_per_layer_position * attended_positions(self.layer_windows, context)
 
     def bytes_per_step(self, batch: int, context: int) -> float:
-        return self.weights_read(batch) + batch * (self.row_bytes + self.kv_bytes(context))
+        return self.weights_read(batch) + batch * (self.row_bytes + self.kv_bytes(context) + 2 * self.state_bytes)
+
+    @property
+    def break_even_context(self) -> float | None:
+        """The context at which a sequence's K/V reads in a step equal its state's traffic (read
+        and written); None without both."""
+        per_position = self.kv_bytes(1)
+        return 2 * self.state_bytes / per_position if per_position and self.state_bytes else None
 
     def bytes_per_token(self, batch: int, context: int) -> float:
         return self.bytes_per_step(batch, context) / batch
@@ -115,7 +125,7 @@ class DecodeCost:
         compute = self.compute_bound(flops, context)
         if compute is None:
             return None
-        per_seq = self.row_bytes + self.kv_bytes(context)
+        per_seq = self.row_bytes + self.kv_bytes(context) + 2 * self.state_bytes
         denominator = bandwidth - compute * per_seq  # from B·bw / (W + B·per_seq) = compute
         return compute * self.weight_bytes / denominator if denominator > 0 else None
 
@@ -157,6 +167,7 @@ def model_cost(cfg: "ModelConfig", weight_bytes: int, table_bytes: int, kv_dtype
         attn_kind=f"attention_{_FLOAT_KINDS.get(kv_dtype, 'bfloat16')}",  # int8/fp8 pages: read as bfloat16
         expert_bytes=expert_bytes,
         experts=(cfg.num_experts, cfg.num_experts_per_tok),
+        state_bytes=cfg.state_bytes_per_sequence,
     )
 
 

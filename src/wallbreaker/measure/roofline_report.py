@@ -68,8 +68,11 @@ def cost_lines(cost: DecodeCost, bandwidth: float, flops: dict[str, float] | Non
            f"{cost.weights_read(1) / 1e6:.1f} MB read at batch 1)") if total else ""
     lines = [f"A decode step reads {cost.weight_bytes / 1e6:.1f} MB of weights{moe} (resident form, once per step)"
              + (f" + {cost.row_bytes:,} bytes per embedding row gathered" if cost.row_bytes else "")
-             + f" + {kv_per_pos:,} bytes of K/V per sequence per context position.", "",
-             "Bytes read per decoded token, MB (a step's bytes / batch):"]
+             + f" + {kv_per_pos:,} bytes of K/V per sequence per context position"
+             + (f" + {cost.state_bytes:,} bytes of recurrent state per sequence, read and written anew"
+                + (f" (as much as the K/V of {cost.break_even_context:,.0f} positions)" if cost.break_even_context
+                   else "") if cost.state_bytes else "") + ".", "",
+             "Bytes moved per decoded token, MB (a step's bytes / batch):"]
     lines.append(markdown_table(["batch"] + [f"ctx {c}" for c in CONTEXTS],
                                 [[b] + [cost.bytes_per_token(b, c) / 1e6 for c in CONTEXTS] for b in BATCHES], 2))
     memory = {c: {b: cost.memory_bound(bandwidth, b, c) for b in BATCHES} for c in CONTEXTS}
@@ -133,7 +136,8 @@ def run(args: argparse.Namespace, options: dict) -> int:
     lines += more
     report.update(model=str(llm.model_path), dtype=llm.config.dtype, weight_bytes=cost.weight_bytes,
                   expert_bytes=cost.expert_bytes, weight_bytes_read_batch_1=cost.weights_read(1),
-                  row_bytes=cost.row_bytes, kv_bytes_per_position=cost.kv_bytes(1), **bounds)
+                  row_bytes=cost.row_bytes, kv_bytes_per_position=cost.kv_bytes(1), state_bytes=cost.state_bytes,
+                  break_even_context=cost.break_even_context, **bounds)
     if measured:
         context = args.prompt_tokens + measured["decode_tokens"] // 2
         bound = cost.bound(bandwidth, flops, 1, context)
