@@ -41,13 +41,32 @@ def lfm2_350m():
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=7, pad_token_id=0)
 
 
-SHAPES = {"lfm2-350m": lfm2_350m}  # name -> the transformers config of the real model
+def granite_4_h_1b():
+    """ibm-granite/granite-4.0-h-1b's shape: 40 layers of width 1536, four of them attention without
+    RoPE (12 heads, 4 KV heads) and 36 Mamba2 (48 heads of 64, state 128, one group, 4 taps); a dense
+    SwiGLU of 4096 (no experts); vocabulary 100352, tied. Where the attention layers sit does not
+    change the cost of a step; they are put at 10, 13, 17 and 27."""
+    from transformers import GraniteMoeHybridConfig
+    attention = {10, 13, 17, 27}
+    return GraniteMoeHybridConfig(
+        vocab_size=100352, hidden_size=1536, intermediate_size=4096, shared_intermediate_size=4096,
+        num_hidden_layers=40, num_attention_heads=12, num_key_value_heads=4,
+        layer_types=["attention" if i in attention else "mamba" for i in range(40)],
+        mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False, num_local_experts=0,
+        num_experts_per_tok=0, embedding_multiplier=12.0, attention_multiplier=0.0078125,
+        residual_multiplier=0.22, logits_scaling=6.0, position_embedding_type="nope", rms_norm_eps=1e-5,
+        max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=100257, eos_token_id=100257,
+        pad_token_id=100256)
+
+
+SHAPES = {"lfm2-350m": lfm2_350m, "granite-4.0-h-1b": granite_4_h_1b}  # name -> the real model's config
 
 
 def build(name: str, out_dir: Path, outtype: str = "q8_0") -> Path:
     """`out_dir/<name>-<outtype>.gguf`, made once (the HF folder beside it is removed after)."""
     from llamacpp_converter import convert, converter_dir
-    from tiny_recurrent import save_random_model
+    from tiny_mamba import save_model
 
     from wallbreaker.formats.packaged import cache_dir
     gguf = out_dir / f"{name}-{outtype}.gguf"
@@ -55,7 +74,7 @@ def build(name: str, out_dir: Path, outtype: str = "q8_0") -> Path:
         return gguf
     folder = out_dir / f"{name}-hf"
     torch.manual_seed(0)
-    save_random_model(SHAPES[name](), folder)
+    save_model(SHAPES[name](), folder)
     convert(converter_dir(cache_dir()), folder, outtype, gguf)
     shutil.rmtree(folder)
     return gguf
