@@ -10,13 +10,13 @@ import dataclasses
 import pytest
 
 from llamacpp_converter import convert
-from tiny_mamba import GREEDY_TOKENS, PROMPTS, TEXT, assert_greedy_matches, granite_config, logits_error, save_model
-from tiny_recurrent import load_reference, no_fused_kernels
+from tiny_mamba import granite_config, save_model
+from tiny_recurrent import (GREEDY, PROMPTS, TEXT, assert_generates, assert_matches_reference, load_reference,
+                            logits_error, no_fused_kernels)
 from wallbreaker import LLM, SamplingParams
 from wallbreaker.errors import UnsupportedModelError
 from wallbreaker.kv.state_pool import slots_per_sequence
 
-GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
 VARIANTS = {
     "moe": {},
     "dense": dict(num_local_experts=0, tie_word_embeddings=False, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"]),
@@ -73,12 +73,7 @@ def test_matches_transformers(folder_of, gguf_of, reference_of, variant, source)
     assert llm.model_config.is_moe == (variant != "dense")
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert len(ids) >= 40
-    assert logits_error(llm, reference, ids) < 1e-4
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    for p, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
-        assert_greedy_matches(reference, p, out.outputs[0].token_ids)
+    assert_matches_reference(llm, reference, ids)
 
 
 @pytest.mark.parametrize("variant", ["moe", "dense"])
@@ -117,8 +112,7 @@ def test_q8_0_gguf_loads_and_generates(gguf_of, reference_of, dtype):
     llm = make_llm(gguf_of("moe", "q8_0"), dtype=dtype)
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert logits_error(llm, reference_of("moe"), ids) < 0.05  # Q8_0 rounding of the projections
-    out = llm.generate([PROMPTS[0]], GREEDY)[0]
-    assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
+    assert_generates(llm)
 
 
 def test_rope_with_scaling_is_refused(tmp_path, folder_of):

@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_architectures import GREEDY_TOKENS, PROMPTS, TEXT as ATTENTION_TEXT, assert_greedy_matches
-from tiny_recurrent import VOCAB, load_reference, no_fused_kernels, save_random_model
+from tiny_recurrent import (GREEDY, TEXT, VOCAB, assert_any_chunking_gives_one_pass_logits, assert_generates,
+                            assert_matches_reference, load_reference, no_fused_kernels, save_random_model)
 
 from wallbreaker import LLM, SamplingParams
-
-TEXT = ATTENTION_TEXT + " A short convolution keeps the last few inputs of each channel: a state of fixed size."
-GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
 
 
 def lfm2_config():
@@ -61,15 +58,7 @@ def test_matches_transformers(request, lfm2_folder, reference, source):
     assert cfg.layer_types == ("conv", "full", "conv", "full") and cfg.intermediate_size == 224
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert len(ids) >= 40
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    error = (llm.logits(ids) - expected).abs().max() / (expected.max() - expected.min())
-    assert error.item() < 1e-4
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    for p, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
-        assert_greedy_matches(reference, p, out.outputs[0].token_ids)
+    assert_matches_reference(llm, reference, ids)
 
 
 def test_q8_0_gguf_loads_and_generates(lfm2_gguf, reference):
@@ -85,16 +74,12 @@ def test_q8_0_gguf_loads_and_generates(lfm2_gguf, reference):
         got = llm.logits(ids)
         assert torch.isfinite(got).all()
         assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.8
-        outs = llm.generate([{"prompt_token_ids": llm.tokenizer.encode(p)} for p in PROMPTS], GREEDY)
-        assert all(len(o.outputs[0].token_ids) == GREEDY_TOKENS for o in outs)
+        assert_generates(llm)
 
 
 def test_any_chunking_gives_the_logits_of_one_pass(lfm2_folder):
     llm = LLM(str(lfm2_folder), dtype="float32", kv_cache_memory_gb=0.05, kv_block_size=4)
-    ids = llm.tokenizer.encode(TEXT)[:45]
-    full = llm.logits(ids)
-    for chunk in (1, 5, 7):
-        assert (llm.logits(ids, chunk_size=chunk) - full).abs().max().item() < 1e-4
+    assert_any_chunking_gives_one_pass_logits(llm, llm.tokenizer.encode(TEXT)[:45])
 
 
 # -- the engine's behaviours on the convolution states -------------------------------------------

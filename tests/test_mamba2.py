@@ -8,11 +8,10 @@ import dataclasses
 import pytest
 
 from llamacpp_converter import convert
-from tiny_mamba import GREEDY_TOKENS, PROMPTS, TEXT, assert_greedy_matches, logits_error, mamba2_config, save_model
-from tiny_recurrent import load_reference, no_fused_kernels
+from tiny_mamba import mamba2_config, save_model
+from tiny_recurrent import (GREEDY, PROMPTS, TEXT, assert_generates, assert_matches_reference, load_reference,
+                            logits_error, no_fused_kernels)
 from wallbreaker import LLM, SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +47,7 @@ def test_matches_transformers(folder, gguf_of, reference, source):
     assert llm.model_config.num_attention_layers == 0
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert len(ids) >= 40
-    assert logits_error(llm, reference, ids) < 1e-4
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    for p, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
-        assert_greedy_matches(reference, p, out.outputs[0].token_ids)
+    assert_matches_reference(llm, reference, ids)
 
 
 def test_gguf_config_is_the_folders(folder, gguf_of):
@@ -83,8 +77,7 @@ def test_q8_0_gguf_loads_and_generates(folder, gguf_of, reference, dtype):
     llm = make_llm(gguf_of("q8_0"), dtype=dtype)
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert logits_error(llm, reference, ids) < 0.05  # Q8_0 rounding of the projections, not a wrong model
-    out = llm.generate([PROMPTS[0]], GREEDY)[0]
-    assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
+    assert_generates(llm)
 
 
 def test_runs_with_no_kv_pages_and_reports_its_states(folder):

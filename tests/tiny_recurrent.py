@@ -1,15 +1,24 @@
 """Tiny random-weight recurrent and hybrid models (LFM2, Granite-4.0-H, Mamba2, Qwen3-Next), built by
 transformers from a config, written as a Hugging Face folder with SmolLM2's tokenizer (one that
-llama.cpp's converter knows), and converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py`."""
+llama.cpp's converter knows), and converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py`; and
+the checks against transformers that every architecture's tests share."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from wallbreaker import LLM, SamplingParams
 from wallbreaker.formats.packaged import packaged_model_path
 
 VOCAB = 49152  # SmolLM2's
+TEXT = ("A recurrent layer keeps a fixed-size state per sequence instead of a cache that grows with the context; "
+        "the quick brown fox jumps over the lazy dog. def main(): return x + y, and a paged cache keeps keys "
+        "and values in fixed blocks so that many sequences share one pool.")
+PROMPTS = ["The quick brown fox", "Once upon a time there was"]
+GREEDY_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+TIE = 1e-3  # the reference's top two logits this close: either token is right
 
 
 def smollm2_tokenizer():
@@ -52,7 +61,6 @@ def no_fused_kernels() -> list[str]:
     return [m for m in ("mamba_ssm", "causal_conv1d", "fla") if importlib.util.find_spec(m) is not None]
 
 
-
 def tiny_config(model_type: str):
     """A tiny transformers config of `model_type` at hidden size 64, with SmolLM2's vocabulary
     (LFM2's and the Mamba2 family's live beside their tests: test_lfm2.py, tiny_mamba.py)."""
@@ -65,3 +73,45 @@ def tiny_config(model_type: str):
             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
             partial_rotary_factor=0.25, max_position_embeddings=512)
     raise ValueError(model_type)
+
+
+def assert_greedy_matches(model, prompt: list[int], ours: list[int]) -> None:
+    """`ours` is the reference's greedy continuation, up to a tie: at the first token that differs,
+    the reference's two best logits must be within TIE of each other."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for i, token in enumerate(ours):
+            top = torch.topk(model(torch.tensor([ids])).logits[0, -1], 2)
+            if token != int(top.indices[0]):
+                assert float(top.values[0] - top.values[1]) < TIE and token == int(top.indices[1]), \
+                    f"token {i}: ours {token}, transformers {int(top.indices[0])} (not a tie)"
+                return
+            ids.append(token)
+
+
+def logits_error(llm: LLM, reference, ids: list[int]) -> float:
+    """Our float32 logits against transformers', relative to the range of theirs."""
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    return ((llm.logits(ids) - expected).abs().max() / (expected.max() - expected.min())).item()
+
+
+def assert_matches_reference(llm: LLM, reference, ids: list[int]) -> None:
+    """Our float32 logits over `ids` are the reference's (to 1e-4 of their range), and the greedy
+    tokens after each of PROMPTS its greedy tokens, up to a tie."""
+    assert logits_error(llm, reference, ids) < 1e-4
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    for p, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)):
+        assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
+        assert_greedy_matches(reference, p, out.outputs[0].token_ids)
+
+
+def assert_generates(llm: LLM) -> None:
+    """PROMPTS, as text, each get GREEDY_TOKENS tokens (a quantized model: it runs, not that it matches)."""
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)] == [GREEDY_TOKENS] * len(PROMPTS)
+
+
+def assert_any_chunking_gives_one_pass_logits(llm: LLM, ids: list[int]) -> None:
+    full = llm.logits(ids)
+    for chunk in (1, 5, 7):
+        assert (llm.logits(ids, chunk_size=chunk) - full).abs().max().item() < 1e-4, chunk
