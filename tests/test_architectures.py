@@ -8,17 +8,15 @@ import dataclasses
 import gguf
 import pytest
 import torch
+from tiny_recurrent import assert_any_chunking_gives_one_pass_logits, assert_matches_reference
 
-from wallbreaker import LLM, SamplingParams
+from wallbreaker import LLM
 from wallbreaker.config import ModelConfig
 from wallbreaker.layers.rotary import RotaryEmbedding
 
 KINDS = ["llama3", "mistral", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope", "gemma2", "mixtral", "qwen3moe"]
 TEXT = ("A paged cache keeps keys and values in fixed blocks, so that many sequences can share one pool. "
         "The quick brown fox jumps over the lazy dog; def main(): return x + y")
-PROMPTS = ["The quick brown fox", "Once upon a time there was"]
-GREEDY_TOKENS = 12
-TIE = 1e-3  # the reference's top two logits this close: either token is right
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -39,21 +37,6 @@ def same_rotation(a: ModelConfig, b: ModelConfig) -> bool:
     return all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(ra, rb))  # float32 factors: ~1e-7 an angle
 
 
-def assert_greedy_matches(model, prompt: list[int], ours: list[int]) -> None:
-    """`ours` is the reference's greedy continuation, up to a tie: at the first token that differs,
-    the reference's two best logits must be within TIE of each other."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for i, token in enumerate(ours):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            top = torch.topk(logits, 2)
-            if token != int(top.indices[0]):
-                assert float(top.values[0] - top.values[1]) < TIE and token == int(top.indices[1]), \
-                    f"token {i}: ours {token}, transformers {int(top.indices[0])} (not a tie)"
-                return
-            ids.append(token)
-
-
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_matches_transformers(tiny, reference, source):
     llm = LLM(str(tiny.gguf_path if source == "gguf" else tiny.hf_dir), dtype="float32", kv_cache_memory_gb=0.05)
@@ -63,25 +46,13 @@ def test_matches_transformers(tiny, reference, source):
         dataclasses.replace(tiny.config, rope_scaling=None)
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert len(ids) >= 30 and len(ids) > (tiny.config.sliding_window or 0)
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    error = (llm.logits(ids) - expected).abs().max() / (expected.max() - expected.min())
-    assert error.item() < 1e-4
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
-    for p, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
-        assert_greedy_matches(reference, p, out.outputs[0].token_ids)
+    assert_matches_reference(llm, reference, ids)
 
 
 def test_incremental_decoding_equals_one_full_pass(tiny):
     """Decode steps against the paged cache (the C++ kernel: soft caps, windows) agree with prefill."""
     llm = LLM(str(tiny.gguf_path), dtype="float32", kv_cache_memory_gb=0.05, kv_block_size=4)
-    ids = llm.tokenizer.encode(TEXT)[:40]
-    full = llm.logits(ids)
-    assert (llm.logits(ids, chunk_size=1) - full).abs().max().item() < 1e-4
-    assert (llm.logits(ids, chunk_size=7) - full).abs().max().item() < 1e-4
+    assert_any_chunking_gives_one_pass_logits(llm, llm.tokenizer.encode(TEXT)[:40])
 
 
 def test_llama3_gguf_carries_its_rope_scaling_as_rope_freqs(tiny_of):

@@ -6,17 +6,19 @@ and runs); and the engine's promises on the hybrid."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
 from llamacpp_converter import convert
-from tiny_mamba import GREEDY_TOKENS, PROMPTS, TEXT, assert_greedy_matches, granite_config, logits_error, save_model
-from tiny_recurrent import load_reference, no_fused_kernels
-from wallbreaker import LLM, SamplingParams
+from tiny_mamba import granite_config, save_model
+from tiny_recurrent import (TEXT, Make, assert_a_small_state_pool_keeps_greedy,
+                            assert_batching_and_chunking_keep_greedy, assert_generates, assert_matches_reference,
+                            assert_preemption_keeps_greedy, assert_prefix_cache_hit,
+                            assert_seeded_forks_are_separate_requests, assert_speculation_keeps_greedy, greedy_alone,
+                            load_reference, logits_error, make_llm, no_fused_kernels, text_prompts)
 from wallbreaker.errors import UnsupportedModelError
-from wallbreaker.kv.state_pool import slots_per_sequence
 
-GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
 VARIANTS = {
     "moe": {},
     "dense": dict(num_local_experts=0, tie_word_embeddings=False, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"]),
@@ -55,8 +57,9 @@ def reference_of(folder_of):
     return get
 
 
-def make_llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "kv_cache_memory_gb": 0.05, **kw})
+@pytest.fixture(scope="module")
+def make(folder_of) -> Make:
+    return functools.partial(make_llm, folder_of("moe"))
 
 
 def test_transformers_runs_its_own_torch_path():
@@ -73,12 +76,7 @@ def test_matches_transformers(folder_of, gguf_of, reference_of, variant, source)
     assert llm.model_config.is_moe == (variant != "dense")
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert len(ids) >= 40
-    assert logits_error(llm, reference, ids) < 1e-4
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    for p, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
-        assert_greedy_matches(reference, p, out.outputs[0].token_ids)
+    assert_matches_reference(llm, reference, ids)
 
 
 @pytest.mark.parametrize("variant", ["moe", "dense"])
@@ -117,8 +115,7 @@ def test_q8_0_gguf_loads_and_generates(gguf_of, reference_of, dtype):
     llm = make_llm(gguf_of("moe", "q8_0"), dtype=dtype)
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert logits_error(llm, reference_of("moe"), ids) < 0.05  # Q8_0 rounding of the projections
-    out = llm.generate([PROMPTS[0]], GREEDY)[0]
-    assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
+    assert_generates(llm)
 
 
 def test_rope_with_scaling_is_refused(tmp_path, folder_of):
@@ -147,82 +144,52 @@ def test_keys_that_change_the_math_are_refused(tmp_path, folder_of, key, value):
 
 
 @pytest.fixture(scope="module")
-def prompts(folder_of):
-    llm = make_llm(folder_of("moe"))
-    return [llm.tokenizer.encode(p) for p in PROMPTS] + [llm.tokenizer.encode(TEXT * 3)]
+def prompts(make):
+    return text_prompts(make())
 
 
 @pytest.fixture(scope="module")
-def expected(folder_of, prompts):
-    llm = make_llm(folder_of("moe"), enable_prefix_caching=False)
-    return [llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids for p in prompts]
+def expected(make, prompts):
+    return greedy_alone(make(enable_prefix_caching=False), prompts)
 
 
-def test_chunked_prefill_and_batching_keep_the_greedy_tokens(folder_of, prompts, expected):
-    llm = make_llm(folder_of("moe"), max_num_batched_tokens=5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)  # the short ones beside the long one
-    assert [o.outputs[0].token_ids for o in outs] == expected
+def test_chunked_prefill_and_batching_keep_the_greedy_tokens(make, prompts, expected):
+    assert_batching_and_chunking_keep_greedy(make, prompts, expected)
 
 
-def test_repeated_prompt_hits_the_prefix_cache(folder_of, prompts, expected):
-    llm = make_llm(folder_of("moe"), kv_block_size=4)
-    first = llm.generate([{"prompt_token_ids": prompts[2]}], GREEDY)[0]
-    again = llm.generate([{"prompt_token_ids": prompts[2]}], GREEDY)[0]
-    assert again.metrics["num_cached_prompt_tokens"] > 0
-    assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected[2]
+def test_repeated_prompt_hits_the_prefix_cache(make, prompts, expected):
+    assert assert_prefix_cache_hit(make(kv_block_size=4), prompts[2]) == expected[2]
 
 
-def test_ngram_speculation_keeps_the_greedy_tokens(folder_of, prompts):
-    repeated = prompts[2][:6] * 4 + prompts[2][:3]  # n-grams to propose from
-    plain = make_llm(folder_of("moe"), enable_prefix_caching=False)
-    expected = [plain.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids for p in (*prompts, repeated)]
-    llm = make_llm(folder_of("moe"), speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
-    outs = [llm.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in (*prompts, repeated)]
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert outs[-1].metrics.get("spec_proposed_tokens", 0) > 0
+def test_ngram_speculation_keeps_the_greedy_tokens(make, prompts, expected):
+    llm = make(speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
+    assert assert_speculation_keeps_greedy(llm, prompts, expected)[-1].metrics["spec_proposed_tokens"] > 0
 
 
-def test_draft_model_speculation_keeps_the_greedy_tokens(folder_of, prompts, expected):
+def test_draft_model_speculation_keeps_the_greedy_tokens(make, prompts, expected):
     """SmolLM2-135M (the same tokenizer) drafts; the random target rejects its drafts, so each
     verification keeps the state after the first position and drops the rest."""
     from wallbreaker.formats.packaged import packaged_model_path
-    llm = make_llm(folder_of("moe"), speculative_method="draft", speculative_model=str(packaged_model_path("smollm2")),
-                   num_speculative_tokens=3, speculative_adaptive=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    llm = make(speculative_method="draft", speculative_model=str(packaged_model_path("smollm2")),
+               num_speculative_tokens=3, speculative_adaptive=False)
+    outs = assert_speculation_keeps_greedy(llm, prompts, expected)
     assert all(o.metrics.get("spec_proposed_tokens", 0) > 0 for o in outs)
 
 
-def test_a_pool_too_small_for_all_keeps_the_greedy_tokens(folder_of, prompts, expected):
-    llm = make_llm(folder_of("moe"), kv_block_size=4, max_num_seqs=8)
-    per_slot = llm.stats()["state_bytes_per_sequence"]
-    small = make_llm(folder_of("moe"), kv_block_size=4, max_num_seqs=8,
-                     kv_cache_memory_gb=2 * 10 * per_slot / 2**30)
-    outs = small.generate([{"prompt_token_ids": p} for p in prompts * 3], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected * 3
-    assert small.stats()["state_slots_total"] < 8 * slots_per_sequence(0)  # fewer than 8 sequences at once
+def test_a_pool_too_small_for_all_keeps_the_greedy_tokens(make, prompts, expected):
+    assert_a_small_state_pool_keeps_greedy(make, prompts, expected, slots=20, kv_block_size=4)
 
 
-def test_preemption_keeps_the_greedy_tokens(folder_of):
+def test_preemption_keeps_the_greedy_tokens(make):
     """Two long prompts in a budget whose KV share holds fewer tokens than both need: one is
     preempted and recomputed."""
-    plain = make_llm(folder_of("moe"), enable_prefix_caching=False)
+    plain = make(enable_prefix_caching=False)
     ids = plain.tokenizer.encode(TEXT * 12)
     prompts = [ids[:440], ids[5:450], ids[10:430]]
-    expected = [plain.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids for p in prompts]
     per_slot = plain.stats()["state_bytes_per_sequence"]
-    llm = make_llm(folder_of("moe"), max_num_seqs=2, prefix_state_slots=0, kv_block_size=4,
-                   kv_cache_memory_gb=2 * 7 * per_slot / 2**30)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.stats()["num_preemptions"] > 0
+    llm = make(max_num_seqs=2, prefix_state_slots=0, kv_block_size=4, kv_cache_memory_gb=2 * 7 * per_slot / 2**30)
+    assert_preemption_keeps_greedy(llm, prompts, greedy_alone(plain, prompts))
 
 
-def test_seeded_samples_are_the_same_whatever_else_is_in_the_batch(folder_of, prompts):
-    seeded = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)
-    llm = make_llm(folder_of("moe"))
-    alone = llm.generate([{"prompt_token_ids": prompts[0]}], seeded)[0]
-    crowd = llm.generate([{"prompt_token_ids": p} for p in (prompts[2], prompts[0])], seeded)[1]
-    samples = [o.token_ids for o in alone.outputs]
-    assert samples == [o.token_ids for o in crowd.outputs]
-    assert len({tuple(s) for s in samples}) > 1
+def test_seeded_samples_are_the_same_whatever_else_is_in_the_batch(make, prompts):
+    assert_seeded_forks_are_separate_requests(make(), prompts[0], prompts[2])

@@ -4,19 +4,19 @@ tokens; the engine's behaviours (chunked prefill, speculation, the prefix cache,
 keep greedy output exact on its convolution states."""
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from test_architectures import GREEDY_TOKENS, PROMPTS, TEXT as ATTENTION_TEXT, assert_greedy_matches
-from tiny_recurrent import VOCAB, load_reference, no_fused_kernels, save_random_model
+from tiny_recurrent import (GREEDY, TEXT, VOCAB, Make, assert_any_chunking_gives_one_pass_logits,
+                            assert_batching_and_chunking_keep_greedy, assert_generates, assert_matches_reference,
+                            assert_preemption_keeps_greedy, assert_prefix_cache_hit,
+                            assert_seeded_forks_are_separate_requests, assert_speculation_keeps_greedy, greedy_alone,
+                            greedy_of, load_reference, make_llm, no_fused_kernels, save_random_model)
 
-from wallbreaker import LLM, SamplingParams
-
-TEXT = ATTENTION_TEXT + " A short convolution keeps the last few inputs of each channel: a state of fixed size."
-GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
 
 
 def lfm2_config():
@@ -56,20 +56,12 @@ def test_transformers_runs_its_own_torch_path():
 def test_matches_transformers(request, lfm2_folder, reference, source):
     # the converter only where it is used: without it (a skip) the folder is still tested
     path = lfm2_folder if source == "hf" else request.getfixturevalue("lfm2_gguf")(source)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05)
+    llm = make_llm(path)
     cfg = llm.model_config
     assert cfg.layer_types == ("conv", "full", "conv", "full") and cfg.intermediate_size == 224
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert len(ids) >= 40
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    error = (llm.logits(ids) - expected).abs().max() / (expected.max() - expected.min())
-    assert error.item() < 1e-4
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    for p, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
-        assert_greedy_matches(reference, p, out.outputs[0].token_ids)
+    assert_matches_reference(llm, reference, ids)
 
 
 def test_q8_0_gguf_loads_and_generates(lfm2_gguf, reference):
@@ -78,23 +70,19 @@ def test_q8_0_gguf_loads_and_generates(lfm2_gguf, reference):
     path = lfm2_gguf("q8_0")
     ids = None
     for dtype in ("float32", "auto"):
-        llm = LLM(str(path), dtype=dtype, kv_cache_memory_gb=0.05)
+        llm = make_llm(path, dtype=dtype)
         ids = ids or llm.tokenizer.encode(TEXT)[:60]
         with torch.no_grad():
             expected = reference(torch.tensor([ids])).logits[0]
         got = llm.logits(ids)
         assert torch.isfinite(got).all()
         assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.8
-        outs = llm.generate([{"prompt_token_ids": llm.tokenizer.encode(p)} for p in PROMPTS], GREEDY)
-        assert all(len(o.outputs[0].token_ids) == GREEDY_TOKENS for o in outs)
+        assert_generates(llm)
 
 
 def test_any_chunking_gives_the_logits_of_one_pass(lfm2_folder):
-    llm = LLM(str(lfm2_folder), dtype="float32", kv_cache_memory_gb=0.05, kv_block_size=4)
-    ids = llm.tokenizer.encode(TEXT)[:45]
-    full = llm.logits(ids)
-    for chunk in (1, 5, 7):
-        assert (llm.logits(ids, chunk_size=chunk) - full).abs().max().item() < 1e-4
+    llm = make_llm(lfm2_folder, kv_block_size=4)
+    assert_any_chunking_gives_one_pass_logits(llm, llm.tokenizer.encode(TEXT)[:45])
 
 
 # -- the engine's behaviours on the convolution states -------------------------------------------
@@ -108,26 +96,19 @@ def engine_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def make_llm(folder: Path, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory_gb", 0.02)
-    return LLM(str(folder), dtype="float32", **kw)
-
-
-def greedy_of(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-
-
-def holds_only_checkpoints(llm: LLM) -> bool:
-    """Once every request is done, the only state slots taken are the prefix cache's checkpoints."""
-    stats = llm.stats()
-    return stats["state_slots_used"] == stats["state_checkpoints"]
+@pytest.fixture(scope="module")
+def make(lfm2_folder) -> Make:
+    return functools.partial(make_llm, lfm2_folder)
 
 
 @pytest.fixture(scope="module")
-def plain(lfm2_folder):
-    """Each engine prompt's greedy tokens, generated alone, by a plain engine."""
-    llm = make_llm(lfm2_folder)
-    return [greedy_of(llm, [p])[0] for p in engine_prompts(8)]
+def prompts() -> list[list[int]]:
+    return engine_prompts(8)
+
+
+@pytest.fixture(scope="module")
+def expected(make, prompts):
+    return greedy_alone(make(enable_prefix_caching=False), prompts)
 
 
 @pytest.fixture(scope="module")
@@ -140,65 +121,41 @@ def llama_draft(tmp_path_factory):
     return save_random_model(config, tmp_path_factory.mktemp("lfm2_draft") / "hf", seed=1)
 
 
-def test_batched_and_chunked_prefill_give_the_tokens_of_each_prompt_alone(lfm2_folder, plain):
-    prompts = engine_prompts(8)
-    assert greedy_of(make_llm(lfm2_folder), prompts) == plain
-    assert greedy_of(make_llm(lfm2_folder, max_num_batched_tokens=5), prompts) == plain
+def test_batched_and_chunked_prefill_give_the_tokens_of_each_prompt_alone(make, prompts, expected):
+    assert_batching_and_chunking_keep_greedy(make, prompts, expected)
     long_prompt = (prompts[0] * 40)[:300]
-    llm = make_llm(lfm2_folder, max_num_batched_tokens=64)
-    assert greedy_of(llm, [long_prompt, *prompts])[1:] == plain
+    assert greedy_of(make(max_num_batched_tokens=64), [long_prompt, *prompts])[1:] == expected
 
 
-def test_ngram_speculation_is_token_for_token_plain_greedy(lfm2_folder, plain):
-    llm = make_llm(lfm2_folder, speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
-    assert greedy_of(llm, engine_prompts(8)) == plain
-    stats = llm.stats()
-    assert stats["spec_proposed"] > 0 and stats["spec_accepted"] > 0
-    assert stats["kv_blocks_used"] == 0 and holds_only_checkpoints(llm)
+def test_ngram_speculation_is_token_for_token_plain_greedy(make, prompts, expected):
+    llm = make(speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
+    assert_speculation_keeps_greedy(llm, prompts, expected)
+    assert llm.stats()["spec_accepted"] > 0
 
 
-def test_draft_model_speculation_is_token_for_token_plain_greedy(lfm2_folder, llama_draft, plain):
-    llm = make_llm(lfm2_folder, speculative_method="draft", speculative_model=str(llama_draft),
-                   num_speculative_tokens=3, speculative_adaptive=False)
-    assert greedy_of(llm, engine_prompts(8)) == plain
-    assert llm.stats()["spec_proposed"] > 0 and holds_only_checkpoints(llm)
+def test_draft_model_speculation_is_token_for_token_plain_greedy(make, llama_draft, prompts, expected):
+    llm = make(speculative_method="draft", speculative_model=str(llama_draft), num_speculative_tokens=3,
+               speculative_adaptive=False)
+    assert_speculation_keeps_greedy(llm, prompts, expected)
 
 
-def test_preemption_in_a_small_pool_gives_the_same_tokens(lfm2_folder, plain):
+def test_preemption_in_a_small_pool_gives_the_same_tokens(make, prompts, expected):
     from wallbreaker.kv.cache import bytes_per_block
-    cfg = make_llm(lfm2_folder).model_config
-    small = make_llm(lfm2_folder, kv_block_size=4, kv_cache_memory_gb=96 * bytes_per_block(cfg, 4, torch.float32) / 2**30)
-    assert greedy_of(small, engine_prompts(8)) == plain
-    stats = small.stats()
-    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0 and holds_only_checkpoints(small)
+    per_block = bytes_per_block(make().model_config, 4, torch.float32)
+    assert_preemption_keeps_greedy(make(kv_block_size=4, kv_cache_memory_gb=96 * per_block / 2**30), prompts, expected)
 
 
-def test_a_repeated_or_extended_prompt_starts_from_a_cached_state(lfm2_folder):
-    llm = make_llm(lfm2_folder, kv_block_size=4)
+def test_a_repeated_or_extended_prompt_starts_from_a_cached_state(make):
+    llm = make(kv_block_size=4)
     prompt = (engine_prompts(1, seed=5)[0] * 10)[:41]
-    first = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
-    again = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
-    assert again.metrics["num_cached_prompt_tokens"] > 0
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    longer = prompt + first.outputs[0].token_ids[:5]
+    longer = prompt + assert_prefix_cache_hit(llm, prompt)[:5]
     extended = llm.generate([{"prompt_token_ids": longer}], GREEDY)[0]
     assert extended.metrics["num_cached_prompt_tokens"] > 0
-    cold = make_llm(lfm2_folder, kv_block_size=4, enable_prefix_caching=False)
-    assert greedy_of(cold, [longer]) == [extended.outputs[0].token_ids]
+    assert greedy_of(make(kv_block_size=4, enable_prefix_caching=False), [longer]) == [extended.outputs[0].token_ids]
 
 
-def test_n_samples_sharing_the_state_equal_separate_requests(lfm2_folder):
-    """Forks share their parent's state slot; sample i of `n` with seed s is the request with seed
-    s + i computed on its own."""
-    llm = make_llm(lfm2_folder)
-    prompt = engine_prompts(1, seed=6)[0]
-    params = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=7, ignore_eos=True)
-    forked = [o.token_ids for o in llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs]
-    alone = [llm.generate([{"prompt_token_ids": prompt}],
-                          SamplingParams(temperature=1.0, max_tokens=10, seed=7 + i, ignore_eos=True))[0]
-             .outputs[0].token_ids for i in range(4)]
-    assert forked == alone and len({tuple(t) for t in forked}) > 1
-    assert holds_only_checkpoints(llm)
+def test_n_samples_sharing_the_state_equal_separate_requests(make):
+    assert_seeded_forks_are_separate_requests(make(), *engine_prompts(2, seed=6))
 
 
 # -- what the loaders read and refuse ------------------------------------------------------------
@@ -281,7 +238,7 @@ def test_our_gguf_writer_writes_what_llama_cpp_converter_writes(lfm2_folder, lfm
         assert ours.metadata[key] == pytest.approx(value), key
     assert {n: t.shape for n, t in ours.tensors.items()} == {n: t.shape for n, t in converted.tensors.items()}
     ids = files.tokenizer.encode(TEXT)[:45]
-    want = LLM(str(lfm2_folder), dtype="float32", kv_cache_memory_gb=0.05).logits(ids)
-    got = LLM(str(tmp_path / "ours.gguf"), dtype="float32", kv_cache_memory_gb=0.05).logits(ids)
+    want = make_llm(lfm2_folder).logits(ids)
+    got = make_llm(tmp_path / "ours.gguf").logits(ids)
     error = ((got - want).abs().max() / (want.max() - want.min())).item()
     assert error < (2e-2 if quantized else 1e-6)

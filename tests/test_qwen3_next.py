@@ -10,17 +10,11 @@ import shutil
 
 import pytest
 import torch
-from tiny_recurrent import load_reference, no_fused_kernels, save_random_model, tiny_config
+from tiny_recurrent import (TEXT, assert_any_chunking_gives_one_pass_logits, assert_generates, assert_matches_reference,
+                            load_reference, logits_error, no_fused_kernels, save_random_model, tiny_config)
 
-from wallbreaker import LLM, SamplingParams
+from wallbreaker import LLM
 from wallbreaker.errors import ModelFormatError, UnsupportedModelError
-
-TEXT = ("A paged cache keeps keys and values in fixed blocks, so that many sequences can share one pool. "
-        "The quick brown fox jumps over the lazy dog; def main(): return x + y. A recurrent layer keeps "
-        "a state of fixed size instead.")
-PROMPTS = ["The quick brown fox", "Once upon a time there was"]
-GREEDY_TOKENS = 12
-TIE = 1e-3  # the reference's top two logits this close: either token is right
 
 
 @pytest.fixture(scope="session")
@@ -49,25 +43,6 @@ def test_transformers_runs_its_own_torch_path():
     assert no_fused_kernels() == [], "a fused-kernel package would replace the reference's torch path"
 
 
-def assert_greedy_matches(model, prompt: list[int], ours: list[int]) -> None:
-    """`ours` is the reference's greedy continuation, up to a tie at the first token that differs."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for i, token in enumerate(ours):
-            top = torch.topk(model(torch.tensor([ids])).logits[0, -1], 2)
-            if token != int(top.indices[0]):
-                assert float(top.values[0] - top.values[1]) < TIE and token == int(top.indices[1]), \
-                    f"token {i}: ours {token}, transformers {int(top.indices[0])} (not a tie)"
-                return
-            ids.append(token)
-
-
-def relative_error(llm: LLM, reference, ids: list[int]) -> float:
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    return ((llm.logits(ids) - expected).abs().max() / (expected.max() - expected.min())).item()
-
-
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_matches_transformers(hf_dir, gguf_of, reference, source):
     llm = LLM(str(gguf_of("f32") if source == "gguf" else hf_dir), dtype="float32", kv_cache_memory_gb=0.05)
@@ -75,13 +50,7 @@ def test_matches_transformers(hf_dir, gguf_of, reference, source):
     assert cfg.architecture == "qwen3next" and cfg.num_attention_layers == 1 and cfg.rotary_dim == 4
     ids = llm.tokenizer.encode(TEXT)
     assert len(ids) >= 40
-    assert relative_error(llm, reference, ids) < 1e-4
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
-    for p, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == GREEDY_TOKENS
-        assert_greedy_matches(reference, p, out.outputs[0].token_ids)
+    assert_matches_reference(llm, reference, ids)
 
 
 def test_folder_and_converted_gguf_read_as_the_same_model(hf_dir, gguf_of):
@@ -99,19 +68,13 @@ def test_folder_and_converted_gguf_read_as_the_same_model(hf_dir, gguf_of):
 def test_q8_0_gguf_loads_and_generates(gguf_of, reference):
     llm = LLM(str(gguf_of("q8_0")), kv_cache_memory_gb=0.05)
     assert llm.model_config.architecture == "qwen3next"
-    ids = llm.tokenizer.encode(TEXT)
-    assert relative_error(llm, reference, ids) < 0.1  # 8-bit weights: near the reference, not at it
-    out = llm.generate([{"prompt_token_ids": ids[:8]}], SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS,
-                                                                       ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == GREEDY_TOKENS
+    assert logits_error(llm, reference, llm.tokenizer.encode(TEXT)) < 0.1  # 8-bit weights: near, not at it
+    assert_generates(llm)
 
 
 def test_any_chunking_gives_one_pass_logits(gguf_of):
     llm = LLM(str(gguf_of("f32")), dtype="float32", kv_cache_memory_gb=0.05, kv_block_size=4)
-    ids = llm.tokenizer.encode(TEXT)
-    full = llm.logits(ids)
-    assert (llm.logits(ids, chunk_size=1) - full).abs().max().item() < 1e-4
-    assert (llm.logits(ids, chunk_size=7) - full).abs().max().item() < 1e-4
+    assert_any_chunking_gives_one_pass_logits(llm, llm.tokenizer.encode(TEXT))
 
 
 @pytest.mark.parametrize("key, value", [("decoder_sparse_step", 2), ("mlp_only_layers", [1]),
@@ -184,4 +147,4 @@ def test_a_multi_token_prediction_head_is_left_unread(with_mtp, llamacpp_convert
     for source in (with_mtp, converted):
         llm = LLM(str(source), dtype="float32", kv_cache_memory_gb=0.05)
         assert llm.model_config.num_layers == 4
-        assert relative_error(llm, reference, llm.tokenizer.encode(TEXT)) < 1e-4
+        assert logits_error(llm, reference, llm.tokenizer.encode(TEXT)) < 1e-4

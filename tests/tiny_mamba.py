@@ -1,20 +1,11 @@
-"""Tiny random-weight Mamba2 and Granite-4.0-H models (tests/tiny_recurrent.py builds them), their
-llama.cpp-converted GGUFs, and the checks both architectures' tests share."""
+"""Tiny random-weight Mamba2 and Granite-4.0-H models: their configs, and their Hugging Face folders
+as llama.cpp's converter reads them (tests/tiny_recurrent.py builds them)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import torch
-
 from tiny_recurrent import VOCAB, save_random_model
-
-TEXT = ("A recurrent layer keeps a fixed-size state per sequence instead of a cache that grows with the context; "
-        "the quick brown fox jumps over the lazy dog. def main(): return x + y, and a paged cache keeps keys "
-        "and values in fixed blocks so that many sequences share one pool.")
-PROMPTS = ["The quick brown fox", "Once upon a time there was"]
-GREEDY_TOKENS = 12
-TIE = 1e-3  # the reference's top two logits this close: either token is right
 
 
 def mamba2_config(**changes):
@@ -51,25 +42,3 @@ def save_model(hf_config, out: Path) -> Path:
         cfg["layer_types"] = [names.get(t, t) for t in cfg["layer_types"]]
         cfg_path.write_text(json.dumps(cfg, indent=2))
     return folder
-
-
-def assert_greedy_matches(model, prompt: list[int], ours: list[int]) -> None:
-    """`ours` is the reference's greedy continuation, up to a tie: at the first token that differs,
-    the reference's two best logits must be within TIE of each other."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for i, token in enumerate(ours):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            top = torch.topk(logits, 2)
-            if token != int(top.indices[0]):
-                assert float(top.values[0] - top.values[1]) < TIE and token == int(top.indices[1]), \
-                    f"token {i}: ours {token}, transformers {int(top.indices[0])} (not a tie)"
-                return
-            ids.append(token)
-
-
-def logits_error(llm, reference, ids: list[int]) -> float:
-    """Our float32 logits against transformers', relative to the range of theirs."""
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    return ((llm.logits(ids) - expected).abs().max() / (expected.max() - expected.min())).item()
