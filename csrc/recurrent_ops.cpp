@@ -5,11 +5,19 @@
 // the compiler vectorizes. float32 throughout, as the pool is.
 #include <torch/extension.h>
 
+#include <string.h>
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+int wb_kernel_level();  // ops.cpp: 0 generic, 1 avx2, 2 avx512
 
 namespace {
 
@@ -35,6 +43,83 @@ void check_pool(const torch::Tensor& pool, const torch::Tensor& src, const torch
 void check_f32(const torch::Tensor& t, std::initializer_list<int64_t> shape, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape),
               name, " must be a contiguous float32 tensor of shape ", c10::IntArrayRef(shape), ", got ", t.sizes());
+}
+
+// One row of the Mamba2 state, row_out[n] = row_in[n] decay + xdt b[n], and its dot product with
+// c, in 16 lanes (lane l takes every 16th term) added in a fixed order at the end: the loop runs
+// on whole vectors, where one running sum is a chain of dependent adds (4 cycles a state
+// element). row_in may be row_out. GCC's vector extension lowers the 16 lanes to what the
+// variant's target has (1 AVX-512 register, 2 AVX2, 4 SSE2); the variants differ only in that
+// (and in fused multiply-adds), so the kernel level picks one (ops.cpp) as it picks the matmul's.
+typedef float Lanes __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline __attribute__((always_inline)) float ssm_row(const float* row_in, float* row_out, const float* b,
+                                                    const float* c, float decay, float xdt, int64_t n_state) {
+  Lanes part = {};
+  int64_t n = 0;
+  for (; n + kLanes <= n_state; n += kLanes) {
+    Lanes in, bv, cv;
+    memcpy(&in, row_in + n, sizeof in);
+    memcpy(&bv, b + n, sizeof bv);
+    memcpy(&cv, c + n, sizeof cv);
+    const Lanes st = in * decay + xdt * bv;
+    memcpy(row_out + n, &st, sizeof st);
+    part += st * cv;
+  }
+  float lanes[kLanes];
+  memcpy(lanes, &part, sizeof lanes);
+  for (int l = 0; n < n_state; ++n, ++l) {
+    const float st = row_in[n] * decay + xdt * b[n];
+    row_out[n] = st;
+    lanes[l] += st * c[n];
+  }
+  float sum = 0.f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+// One (sequence, head) token: the state [head_dim, d_state] from `in` to `out` (may be `in`), y.
+#define WB_SSM_HEAD(name, target)                                                                      \
+  target void name(const float* in, float* out, const float* x, const float* b, const float* c, float dt, \
+                   float decay, float d, int64_t head_dim, int64_t d_state, float* y) {                \
+    for (int64_t p = 0; p < head_dim; ++p)                                                              \
+      y[p] = ssm_row(in + p * d_state, out + p * d_state, b, c, decay, x[p] * dt, d_state) + d * x[p];   \
+  }
+WB_SSM_HEAD(ssm_head_generic, )
+#if defined(__x86_64__)
+WB_SSM_HEAD(ssm_head_avx2, __attribute__((target("avx2,fma"))))
+WB_SSM_HEAD(ssm_head_avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"))))
+#endif
+typedef void (*SsmHeadFn)(const float*, float*, const float*, const float*, const float*, float, float, float,
+                          int64_t, int64_t, float*);
+
+SsmHeadFn ssm_head_for_level() {
+#if defined(__x86_64__)
+  const int level = wb_kernel_level();
+  if (level >= 2) return ssm_head_avx512;
+  if (level >= 1) return ssm_head_avx2;
+#endif
+  return ssm_head_generic;
+}
+
+// A new state goes to its pool slot with streaming stores: the slot is not read again this step,
+// so the stores bypass the cache and skip reading the line first (a slot written per token is the
+// step's largest traffic after the weights). The SSE2 forms: every x86-64 CPU has them.
+inline void store_state(float* out, const float* state, int64_t count) {
+#if defined(__SSE2__)
+  if (reinterpret_cast<uintptr_t>(out) % 16 == 0 && count % 4 == 0) {
+    for (int64_t i = 0; i < count; i += 4) _mm_stream_ps(out + i, _mm_loadu_ps(state + i));
+    return;
+  }
+#endif
+  std::copy(state, state + count, out);
+}
+
+inline void store_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();  // streamed stores are visible before the parallel region's join
+#endif
 }
 
 }  // namespace
@@ -66,34 +151,24 @@ torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst,
   const int64_t *src_p = src.data_ptr<int64_t>(), *dst_p = dst.data_ptr<int64_t>();
   float* y_p = y.data_ptr<float>();
   const int64_t per_group = heads / groups, state_size = head_dim * d_state;
+  const SsmHeadFn head = ssm_head_for_level();
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(state_size);
+    std::vector<float> state(state_size);  // the running state, token to token, in cache
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads, g = h / per_group;
       const float* in = pool_p + (src_p[b] * heads + h) * state_size;
       for (int64_t t = 0; t < steps; ++t) {
         const int64_t bt = b * steps + t, slot = dst_p[bt];
-        float* out = slot >= 0 ? pool_p + (slot * heads + h) * state_size : scratch.data();
         const float* bv = B_p + (bt * groups + g) * d_state;
         const float* cv = C_p + (bt * groups + g) * d_state;
         const float dtv = dt_p[bt * heads + h], decay = std::exp(dtv * A_p[h]), d = D_p[h];
         const float* xs = x_p + (bt * heads + h) * head_dim;
         float* ys = y_p + (bt * heads + h) * head_dim;
-        for (int64_t p = 0; p < head_dim; ++p) {
-          const float xv = xs[p], xdt = xv * dtv;
-          const float* row_in = in + p * d_state;
-          float* row_out = out + p * d_state;
-          float acc = 0.f;
-          for (int64_t n = 0; n < d_state; ++n) {
-            const float s = row_in[n] * decay + xdt * bv[n];
-            row_out[n] = s;
-            acc += s * cv[n];
-          }
-          ys[p] = acc + d * xv;
-        }
-        in = out;
+        head(t == 0 ? in : state.data(), state.data(), xs, bv, cv, dtv, decay, d, head_dim, d_state, ys);
+        if (slot >= 0) store_state(pool_p + (slot * heads + h) * state_size, state.data(), state_size);
       }
     }
+    store_fence();
   });
   return y;
 }
@@ -118,26 +193,26 @@ torch::Tensor delta_step(torch::Tensor pool, torch::Tensor src, torch::Tensor ds
   float* o_p = o.data_ptr<float>();
   const int64_t state_size = k_dim * v_dim;
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> delta(v_dim), acc(v_dim), scratch(state_size);
+    std::vector<float> delta(v_dim), acc(v_dim), state(state_size);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads;
       const float* in = pool_p + (src_p[b] * heads + h) * state_size;
       for (int64_t t = 0; t < steps; ++t) {
         const int64_t bt = b * steps + t, slot = dst_p[bt], row_i = bt * heads + h;
-        float* out = slot >= 0 ? pool_p + (slot * heads + h) * state_size : scratch.data();
         const float *qv = q_p + row_i * k_dim, *kv = k_p + row_i * k_dim, *vv = v_p + row_i * v_dim;
         const float decay = std::exp(g_p[row_i]), bt_ = beta_p[row_i];
+        const float* from = t == 0 ? in : state.data();
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t r = 0; r < k_dim; ++r) {
-          const float* row = in + r * v_dim;
+          const float* row = from + r * v_dim;
           const float kr = kv[r];
           for (int64_t c = 0; c < v_dim; ++c) acc[c] += row[c] * decay * kr;
         }
         for (int64_t c = 0; c < v_dim; ++c) delta[c] = (vv[c] - acc[c]) * bt_;
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t r = 0; r < k_dim; ++r) {
-          const float* row = in + r * v_dim;
-          float* row_out = out + r * v_dim;
+          const float* row = from + r * v_dim;
+          float* row_out = state.data() + r * v_dim;
           const float kr = kv[r], qr = qv[r];
           for (int64_t c = 0; c < v_dim; ++c) {
             const float s = row[c] * decay + kr * delta[c];
@@ -146,9 +221,10 @@ torch::Tensor delta_step(torch::Tensor pool, torch::Tensor src, torch::Tensor ds
           }
         }
         std::copy(acc.begin(), acc.end(), o_p + row_i * v_dim);
-        in = out;
+        if (slot >= 0) store_state(pool_p + (slot * heads + h) * state_size, state.data(), state_size);
       }
     }
+    store_fence();
   });
   return o;
 }
