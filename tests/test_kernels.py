@@ -95,7 +95,7 @@ def test_kernel_matches_gguf_dequantization(level, qtype):
 def test_every_row_length_and_tile_tail(level, qtype):
     """Row lengths that end in each kind of short group (the 32-block layout and activations go
     in groups of 4 blocks, the kernels in windows of 8 or 16 blocks) and row counts that leave a
-    tail after the 4-row and 2-row tiles, at 1, 2 and 5 activation rows."""
+    tail after the 4-row and 2-row tiles, at 1, 2, 5 and 9 activation rows."""
     blocks = [1, 3] if qtype.name.endswith("_K") else [1, 2, 3, 5, 16, 17, 33]
     size = block_info(qtype)[0]
     gen = torch.Generator().manual_seed(7 + int(qtype))
@@ -103,7 +103,7 @@ def test_every_row_length_and_tile_tail(level, qtype):
         k = nb * size
         raw = random_blocks(qtype, 13, k, seed=nb)
         w = kernels.pack_rows(torch.from_numpy(raw), qtype)
-        for m in (1, 2, 5):
+        for m in (1, 2, 5, 9):
             x = torch.randn(m, k, generator=gen) * 3
             check(qtype, x, raw, kernels.qmatmul(x, [w], [qtype]))
 
