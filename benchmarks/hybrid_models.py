@@ -44,8 +44,11 @@ def lfm2_350m():
 def granite_4_h_1b():
     """ibm-granite/granite-4.0-h-1b's shape: 40 layers of width 1536, four of them attention without
     RoPE (12 heads, 4 KV heads) and 36 Mamba2 (48 heads of 64, state 128, one group, 4 taps); a dense
-    SwiGLU of 4096 (no experts); vocabulary 100352, tied. Where the attention layers sit does not
-    change the cost of a step; they are put at 10, 13, 17 and 27."""
+    SwiGLU of 4096 (no experts); vocabulary 100352, tied. Written from memory: no config could be
+    fetched here (no model hub), and public descriptions differ on details (mamba_n_groups 1 or 8,
+    where the attention layers sit), so this is a model of about that shape, not a verified copy.
+    Where the attention layers sit does not change the cost of a step; they are put at 10, 13, 17
+    and 27. Eight groups instead of one would add 2 x 7 x 128 columns to each in_proj (1.3% of it)."""
     from transformers import GraniteMoeHybridConfig
     attention = {10, 13, 17, 27}
     return GraniteMoeHybridConfig(
