@@ -49,7 +49,7 @@ def granite_4_h_1b():
     where the attention layers sit), so this is a model of about that shape, not a verified copy.
     Where the attention layers sit does not change the cost of a step; they are put at 10, 13, 17
     and 27. Eight groups instead of one would add 2 x 7 x 128 columns to each in_proj (6448 -> 8240),
-    about 8% more weight bytes a step; the state is the same size."""
+    about 7% more weight bytes a step; the state is the same size."""
     from transformers import GraniteMoeHybridConfig
     attention = {10, 13, 17, 27}
     return GraniteMoeHybridConfig(
