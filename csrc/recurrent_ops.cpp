@@ -1,8 +1,10 @@
 // Token-by-token recurrences of decode and verification steps, read from and written to the state
 // pool by slot (layers/recurrent.py, kv/state_pool.py), without the gather and scatter copies that
 // PyTorch would make. Per (sequence, head) the work is a few multiply-adds per state element, so
-// a step is bound by reading and writing the states: the loops are over contiguous rows, which
-// the compiler vectorizes. float32 throughout, as the pool is.
+// a step is bound by reading and writing the states once its loops run on whole vectors: the
+// running state stays in a thread's buffer from token to token, and each state kept is streamed
+// to its slot. A verification of 4 drafts writes five states a sequence where a decode step
+// writes one (Granite-4.0-H-1B's shape: 55 MB a state). float32 throughout, as the pool is.
 #include <torch/extension.h>
 
 #include <string.h>
