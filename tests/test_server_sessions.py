@@ -95,3 +95,10 @@ def test_metrics_count_disk_hits_and_bytes(model, tmp_path):
         assert "wallbreaker_kv_disk_bad_entries_total 0.0" in text
         read = [line for line in text.splitlines() if line.startswith("wallbreaker_kv_disk_read_bytes_total")]
         assert read and float(read[0].split()[1]) > 0
+
+
+def test_a_save_past_the_sessions_quota_is_a_400_and_the_server_goes_on(model, tmp_path):
+    with app_client(app_on(model, tmp_path, kv_cache_sessions_gb=1e-6)) as client:  # 1 KiB: not one session
+        assert_openai_error(client.post("/sessions/big/save", json={"prompt": PROMPT}), 400, param="name")
+        assert not (tmp_path / "sessions" / "big.kvs").exists()
+        assert client.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2}).status_code == 200

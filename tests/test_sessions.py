@@ -110,3 +110,26 @@ def test_an_unknown_session_and_a_too_short_prompt(model, tmp_path):
         llm.load_prefix("never-saved")
     with pytest.raises(InvalidRequestError, match="one full block"):
         llm.save_prefix([5, 6, 7], "short")
+
+
+def test_the_sessions_folder_has_a_quota_and_nothing_is_evicted_to_meet_it(model, tmp_path):
+    one = make_llm(model, tmp_path / "sizing").save_prefix(PROMPT, "sizing").nbytes
+    llm = make_llm(model, tmp_path, kv_cache_sessions_gb=1.2 * one / 2**30)  # room for one session, not 1 + 1/3
+    llm.save_prefix(PROMPT, "first")
+    with pytest.raises(InvalidRequestError, match="kv_cache_sessions_gb") as refused:
+        llm.save_prefix(PROMPT[:40], "second")
+    assert "1 files" in str(refused.value) and not (tmp_path / "sessions" / "second.kvs").exists()
+    assert llm.load_prefix("first").num_tokens == 96  # kept whole
+    saved = llm.save_prefix(PROMPT, "first")  # replacing a session counts only the new one
+    assert llm.delete_prefix("first").nbytes == saved.nbytes
+    assert llm.save_prefix(PROMPT[:40], "second").num_blocks == 2
+    with pytest.raises(SessionNotFoundError):
+        llm.delete_prefix("first")
+
+
+def test_a_quota_of_zero_turns_saving_off(model, tmp_path):
+    llm = make_llm(model, tmp_path, kv_cache_sessions_gb=0)
+    with pytest.raises(InvalidRequestError, match="off"):
+        llm.save_prefix(PROMPT, "any")
+    with pytest.raises(InvalidRequestError, match="kv_cache_sessions_gb"):
+        make_llm(model, tmp_path, kv_cache_sessions_gb=-1)

@@ -33,6 +33,8 @@ HELP = {
     "kv_cache_disk_dir": "the prefix cache's disk tier and saved sessions (default: ~/.cache/wallbreaker/kv)",
     "kv_cache_disk_gb": "GiB of KV blocks kept on disk across restarts, least recently used evicted "
                         "(default: 0, off)",
+    "kv_cache_sessions_gb": "GiB the saved sessions may take on disk; a save past it is refused (default: 8; "
+                            "0: saving off)",
     "max_model_len": "tokens a sequence may reach (default: the model's context, capped at what the pool holds)",
     "speculative_method": "ngram (prompt lookup) or draft (--speculative-model)",
     "num_speculative_tokens": "drafts a step at most (K)",

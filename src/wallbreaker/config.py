@@ -424,9 +424,12 @@ class EngineConfig:
     # kv_cache_disk_dir (None: ~/.cache/wallbreaker/kv, or $WALLBREAKER_CACHE/kv). kv_cache_disk_gb
     # bounds the tier; 0, the default, turns it off: llama.cpp's and vLLM's users do not expect an
     # engine to write gigabytes to disk they did not ask for, and on a fast prompt the tier only costs.
-    # Sessions are written only when asked for (LLM.save_prefix, the server's /sessions), tier or not.
+    # Sessions are written only when asked for (LLM.save_prefix, the server's /sessions), tier or not,
+    # and never evicted: kv_cache_sessions_gb bounds their folder, a save past it is refused (delete
+    # sessions to make room); 0 turns saving off.
     kv_cache_disk_dir: str | None = None
     kv_cache_disk_gb: float = 0.0
+    kv_cache_sessions_gb: float = 8.0
     # Recurrent layers' states the prefix cache may keep as checkpoints (kv/state_pool.py); None: one
     # per max_num_seqs. They share kv_cache_memory_gb with the KV pages.
     prefix_state_slots: int | None = None
@@ -459,6 +462,9 @@ class EngineConfig:
         if not (isinstance(self.kv_cache_disk_gb, Real) and math.isfinite(self.kv_cache_disk_gb)
                 and self.kv_cache_disk_gb >= 0):
             raise InvalidRequestError("kv_cache_disk_gb must be a finite number >= 0 (0 turns the disk tier off)")
+        if not (isinstance(self.kv_cache_sessions_gb, Real) and math.isfinite(self.kv_cache_sessions_gb)
+                and self.kv_cache_sessions_gb >= 0):
+            raise InvalidRequestError("kv_cache_sessions_gb must be a finite number >= 0 (0 turns saving sessions off)")
         if self.kv_cache_disk_gb and int(self.tensor_parallel_size) > 1:
             raise InvalidRequestError("kv_cache_disk_gb is not supported with tensor_parallel_size > 1 yet")
         if self.kv_cache_disk_gb and not self.enable_prefix_caching:

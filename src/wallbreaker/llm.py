@@ -187,7 +187,7 @@ class LLM:
             except OSError as e:
                 raise InvalidRequestError(f"kv_cache_disk_dir {root}: {e.strerror or e}") from None
             weakref.finalize(self, disk.close)  # what is queued is written before the process ends
-        return disk, SessionStore(root / "sessions", fingerprint, self.kv_cache)
+        return disk, SessionStore(root / "sessions", fingerprint, self.kv_cache, int(c.kv_cache_sessions_gb * 2**30))
 
     def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int, vocab_limit: int) -> ModelRunner:
         """Start the workers (or join torchrun's ranks) and load rank 0's shard; see parallel/."""
@@ -394,6 +394,10 @@ class LLM:
         the next prompt that starts with its tokens computes only the rest. `InvalidRequestError`
         naming the difference when the session was saved by another model or other settings."""
         return self.engine.load_session(name)[0]
+
+    def delete_prefix(self, name: str) -> SessionInfo:
+        """Remove saved session `name` (its `nbytes` freed); `SessionNotFoundError` where there is none."""
+        return self.engine.delete_session(name)
 
     # -- pooling models: embeddings, scores, reranking --------------------------------------------
     @property

@@ -7,7 +7,9 @@ payload. Restoring checks the file whole (fingerprint, checksum, shapes), recomp
 key from the tokens, and puts the blocks into the RAM prefix cache as free cached blocks: the next
 request that starts with those tokens (and has the same salt) hits them, as if it had computed them.
 A session written by another engine (other weights, dtype, page dtype, block size) is refused with
-the field that differs. Sessions are explicit and named, so the disk tier's quota never evicts them.
+the field that differs. Sessions are explicit and named, so nothing evicts them: their folder has
+a quota of its own (`kv_cache_sessions_gb`), and a save that would pass it is refused, naming what
+the folder holds, rather than deleting a session someone may come back for.
 """
 from __future__ import annotations
 
@@ -47,10 +49,30 @@ class SessionInfo:
 
 
 class SessionStore:
-    def __init__(self, directory: Path, fingerprint: dict, kv_cache: KVCache):
+    def __init__(self, directory: Path, fingerprint: dict, kv_cache: KVCache, quota_bytes: int):
         self.directory = Path(directory)
         self.fingerprint = fingerprint
         self.kv_cache = kv_cache
+        self.quota_bytes = quota_bytes
+
+    def _check_room(self, name: str, nbytes: int) -> None:
+        """Refuse a save of `nbytes` that would take the folder past the quota (the session it
+        replaces does not count). Processes sharing the folder each check before writing, so two
+        saving at once may pass it by one session."""
+        if self.quota_bytes == 0:
+            raise InvalidRequestError("saving sessions is off (kv_cache_sessions_gb=0)", param="name")
+        others = [f for f in self.directory.glob(f"*{SUFFIX}") if f.name != f"{name}{SUFFIX}"]
+        used = 0
+        for f in others:
+            try:
+                used += f.stat().st_size
+            except FileNotFoundError:  # deleted meanwhile
+                pass
+        if used + nbytes > self.quota_bytes:
+            raise InvalidRequestError(
+                f"session {name!r} needs {nbytes / 2**20:.1f} MiB, and the saved sessions already take "
+                f"{used / 2**20:.1f} MiB ({len(others)} files) of kv_cache_sessions_gb="
+                f"{self.quota_bytes / 2**30:g} GiB; delete sessions or raise the limit", param="name")
 
     def path(self, name: str) -> Path:
         check_session_name(name)
@@ -82,6 +104,7 @@ class SessionStore:
         parts = [torch.stack([p[i] for p in pages]) for i in range(len(pages[0]))]  # [blocks, ...] each
         root = salt_digest(cache_salt)
         num_tokens = len(blocks) * manager.block_size
+        self._check_room(name, sum(p.numel() * p.element_size() for p in parts))
         header = {"fingerprint": self.fingerprint, "kind": "session", "name": name,
                   "salt_root": root.hex() if root is not None else None, "token_ids": token_ids[:num_tokens]}
         self.directory.mkdir(parents=True, exist_ok=True)
