@@ -29,6 +29,19 @@ def test_gated_activation(act, ref):
         _C.gated_act(gate_up, "relu")
 
 
+@pytest.mark.parametrize("act,ref", [("silu", F.silu), ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))])
+def test_gated_activation_far_out_and_in_every_lane(act, ref):
+    """Gates far past exp's float range either way (and 0, and tiny), in the vector body and the
+    tail of a row (37 = two 16-lane vectors and 5 more), one row alone or among others."""
+    edges = torch.tensor([-1e4, -200.0, -90.0, -88.5, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.5, 90.0, 200.0, 1e4])
+    gate = torch.cat([edges, torch.linspace(-12, 12, 24)])  # 37
+    up = torch.linspace(-3, 3, 37)
+    rows = torch.stack([torch.cat([gate, up]), torch.cat([gate.flip(0), up])])
+    out = _C.gated_act(rows, act)
+    torch.testing.assert_close(out, ref(rows[:, :37]) * rows[:, 37:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(_C.gated_act(rows[1:], act), out[1:])  # a row's values whatever else is in the call
+
+
 def reference_rope(x, cos, sin):
     """transformers' rotate-half RoPE: x * cos + rotate_half(x) * sin, with the plain (unfolded) sin."""
     half = x.shape[-1] // 2
