@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -24,6 +23,7 @@ import torch
 from wallbreaker import LLM
 from wallbreaker.engine.scheduler import Append, StepOutput
 from wallbreaker.engine.sequence import Sequence
+from wallbreaker.measure.machine import describe_machine, machine_facts
 from wallbreaker.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -71,12 +71,14 @@ def main() -> None:
             verify.append(timed_step(llm, seq, [rng.randrange(vocab) for _ in range(args.drafts)]))
         plain.append(timed_step(llm, seq, []))
     scheduler.finish(seq, "length")
+    machine = machine_facts()
     result = {"model": args.model, "architecture": llm.model_config.architecture, "drafts": args.drafts,
-              "rounds": args.rounds, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+              "rounds": args.rounds, "machine": machine,
               "plain_step_ms_median": 1e3 * statistics.median(plain),
               "verify_step_ms_median": 1e3 * statistics.median(verify),
               "ratio": statistics.median(verify) / statistics.median(plain),
               "plain_step_ms": [1e3 * t for t in plain], "verify_step_ms": [1e3 * t for t in verify]}
+    print(describe_machine(machine))
     print(f"{llm.model_config.architecture}: plain step {result['plain_step_ms_median']:.2f} ms, verifying "
           f"{args.drafts} drafts {result['verify_step_ms_median']:.2f} ms: {result['ratio']:.2f}x")
     args.json.parent.mkdir(parents=True, exist_ok=True)
