@@ -123,6 +123,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 // recurrent_ops.cpp
 torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x, torch::Tensor B,
                        torch::Tensor C, torch::Tensor dt, torch::Tensor A, torch::Tensor D);
+torch::Tensor conv_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x,
+                        torch::Tensor weight, c10::optional<torch::Tensor> bias, bool silu);
 torch::Tensor delta_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor q, torch::Tensor k,
                          torch::Tensor v, torch::Tensor g, torch::Tensor beta);
 // fused_ops.cpp
@@ -341,6 +343,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssm_step", &ssm_step, "Mamba2's one-token SSM update, state read from slot src and written to slot dst",
         py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("x"), py::arg("B"), py::arg("C"), py::arg("dt"),
         py::arg("A"), py::arg("D"));
+  m.def("conv_step", &conv_step, "a causal depthwise convolution over a few tokens of each sequence, its state read "
+        "from slot src and the state after each token written to slot dst", py::arg("pool"), py::arg("src"),
+        py::arg("dst"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("silu"));
   m.def("delta_step", &delta_step, "the gated delta rule's one-token update, from slot src to slot dst",
         py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
         py::arg("beta"));

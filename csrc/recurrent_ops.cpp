@@ -9,6 +9,8 @@
 
 #include <string.h>
 
+#include "vec_math.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -53,7 +55,7 @@ void check_f32(const torch::Tensor& t, std::initializer_list<int64_t> shape, con
 // element). row_in may be row_out. GCC's vector extension lowers the 16 lanes to what the
 // variant's target has (1 AVX-512 register, 2 AVX2, 4 SSE2); the variants differ only in that
 // (and in fused multiply-adds), so the kernel level picks one (ops.cpp) as it picks the matmul's.
-typedef float Lanes __attribute__((vector_size(64)));
+typedef Lanes16 Lanes;
 constexpr int kLanes = 16;
 
 inline __attribute__((always_inline)) float ssm_row(const float* row_in, float* row_out, const float* b,
@@ -95,6 +97,50 @@ WB_SSM_HEAD(ssm_head_avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"))
 #endif
 typedef void (*SsmHeadFn)(const float*, float*, const float*, const float*, const float*, float, float, float,
                           int64_t, int64_t, float*);
+
+// One token of a causal depthwise convolution over C channels: out[c] = bias[c] + sum_k w[k][c]
+// win[k][c] (win: the K - 1 inputs before the token, oldest first, then the token's own), SiLU
+// after where asked. The sum goes tap by tap, as the PyTorch form adds them.
+#define WB_CONV_ROW(name, target)                                                                   \
+  target void name(const float* const* win, const float* w, const float* bias, int64_t K, int64_t C, \
+                   bool silu, float* out) {                                                         \
+    int64_t c = 0;                                                                                  \
+    for (; c + 16 <= C; c += 16) {                                                                  \
+      Lanes16 acc = {}, wv, xv;                                                                     \
+      for (int64_t k = 0; k < K; ++k) {                                                             \
+        memcpy(&wv, w + k * C + c, sizeof wv);                                                      \
+        memcpy(&xv, win[k] + c, sizeof xv);                                                         \
+        acc += wv * xv;                                                                             \
+      }                                                                                             \
+      if (bias) {                                                                                   \
+        memcpy(&wv, bias + c, sizeof wv);                                                           \
+        acc = wv + acc;                                                                             \
+      }                                                                                             \
+      if (silu) acc = act_of<Lanes16, Ints16>(acc, true);                                           \
+      memcpy(out + c, &acc, sizeof acc);                                                            \
+    }                                                                                               \
+    for (; c < C; ++c) {                                                                            \
+      float acc = 0.f;                                                                              \
+      for (int64_t k = 0; k < K; ++k) acc += w[k * C + c] * win[k][c];                              \
+      if (bias) acc = bias[c] + acc;                                                                \
+      out[c] = silu ? act_of<float, int32_t>(acc, true) : acc;                                      \
+    }                                                                                               \
+  }
+WB_CONV_ROW(conv_row_generic, )
+#if defined(__x86_64__)
+WB_CONV_ROW(conv_row_avx2, __attribute__((target("avx2,fma"))))
+WB_CONV_ROW(conv_row_avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"))))
+#endif
+typedef void (*ConvRowFn)(const float* const*, const float*, const float*, int64_t, int64_t, bool, float*);
+
+ConvRowFn conv_row_for_level() {
+#if defined(__x86_64__)
+  const int level = wb_kernel_level();
+  if (level >= 2) return conv_row_avx512;
+  if (level >= 1) return conv_row_avx2;
+#endif
+  return conv_row_generic;
+}
 
 SsmHeadFn ssm_head_for_level() {
 #if defined(__x86_64__)
@@ -229,4 +275,45 @@ torch::Tensor delta_step(torch::Tensor pool, torch::Tensor src, torch::Tensor ds
     store_fence();
   });
   return o;
+}
+
+// A causal depthwise convolution (LFM2's short convolution, Mamba2's conv1d) over T tokens of
+// each of B sequences, x [B, T, C] (rows may be strided, channels contiguous), weight [K, C] (tap
+// k multiplies the input K - 1 - k tokens back), bias [C] or none, SiLU after where asked. The
+// state, the K - 1 inputs before the next token [K - 1, C], is read from pool slot src[b]; the
+// state after token t is written to slot dst[b, t] where that is >= 0. Returns [B, T, C].
+torch::Tensor conv_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x,
+                        torch::Tensor weight, c10::optional<torch::Tensor> bias, bool silu) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.stride(2) == 1,
+              "conv_step: x must be float32 [batch, steps, channels] with contiguous channels");
+  const int64_t batch = x.size(0), steps = x.size(1), C = x.size(2);
+  TORCH_CHECK(pool.dim() == 3 && pool.scalar_type() == torch::kFloat32 && pool.is_contiguous() && pool.size(2) == C,
+              "conv_step: the pool must be a contiguous float32 [slots, kernel - 1, channels] tensor");
+  const int64_t K = pool.size(1) + 1;
+  check_pool(pool.unsqueeze(-1), src, dst, batch, steps, "conv_step");
+  check_f32(weight, {K, C}, "weight");
+  if (bias) check_f32(*bias, {C}, "bias");
+  auto out = torch::empty({batch, steps, C}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  float* pool_p = pool.data_ptr<float>();
+  const float* x_p = x.data_ptr<float>();
+  const float *w_p = weight.data_ptr<float>(), *b_p = bias ? bias->data_ptr<float>() : nullptr;
+  const int64_t *src_p = src.data_ptr<int64_t>(), *dst_p = dst.data_ptr<int64_t>();
+  const int64_t sb = x.stride(0), st = x.stride(1), state = (K - 1) * C;
+  float* out_p = out.data_ptr<float>();
+  const ConvRowFn row = conv_row_for_level();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> seq(K - 1 + steps);  // the state's rows, then the tokens'
+    for (int64_t b = begin; b < end; ++b) {
+      const float* in = pool_p + src_p[b] * state;
+      for (int64_t j = 0; j < K - 1; ++j) seq[j] = in + j * C;
+      for (int64_t t = 0; t < steps; ++t) seq[K - 1 + t] = x_p + b * sb + t * st;
+      for (int64_t t = 0; t < steps; ++t) {
+        row(seq.data() + t, w_p, b_p, K, C, silu, out_p + (b * steps + t) * C);
+        const int64_t slot = dst_p[b * steps + t];
+        if (slot >= 0)
+          for (int64_t j = 0; j < K - 1; ++j) memcpy(pool_p + slot * state + j * C, seq[t + 1 + j], C * sizeof(float));
+      }
+    }
+  });
+  return out;
 }

@@ -1,6 +1,7 @@
 """The C++ token-by-token recurrences (csrc/recurrent_ops.cpp) against transformers' own torch
 ones on the same inputs: Mamba2's `mamba2_selective_state_update` and Qwen3-Next's
-`torch_recurrent_gated_delta_rule`. The kernels read each sequence's state from one slot of a pool,
+`torch_recurrent_gated_delta_rule`; the short convolution (LFM2's, Mamba2's conv1d) against
+PyTorch's depthwise `conv1d`. The kernels read each sequence's state from one slot of a pool,
 run T tokens, and write the state after token t to slot dst[b, t] where one is given, leaving
 every other slot as it was."""
 from __future__ import annotations
@@ -71,6 +72,27 @@ def test_delta_step_matches_transformers_and_writes_out_of_place(k_heads, v_head
     assert untouched(pool, before, DST[steps])
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("bias_and_silu", [False, True], ids=["lfm2", "mamba2"])
+def test_conv_step_matches_torch_conv1d_and_writes_out_of_place(steps, bias_and_silu):
+    torch.manual_seed(0)
+    batch, kernel, channels, slots = 3, 4, 37, 10  # 37 channels: two 16-lane vectors and a tail
+    pool = torch.randn(slots, kernel - 1, channels)
+    before = pool.clone()
+    x = torch.randn(batch, steps + 1, channels)[:, 1:]  # rows strided, as a projection's split gives them
+    taps = torch.randn(kernel, channels)  # tap k multiplies the input kernel - 1 - k tokens back
+    bias = torch.randn(channels) if bias_and_silu else None
+    out = _C.conv_step(pool, torch.tensor(SRC), torch.tensor(DST[steps]), x, taps, bias, bias_and_silu)
+    window = torch.cat([before[SRC], x], dim=1)  # [B, K - 1 + T, C]
+    expected = F.conv1d(window.transpose(1, 2), taps.t()[:, None], bias, groups=channels).transpose(1, 2)
+    torch.testing.assert_close(out, F.silu(expected) if bias_and_silu else expected, rtol=1e-5, atol=1e-5)
+    for b in range(batch):
+        for t in range(steps):
+            if DST[steps][b][t] >= 0:
+                assert torch.equal(pool[DST[steps][b][t]], window[b, t + 1:t + kernel])
+    assert untouched(pool, before, DST[steps])
+
+
 def test_kernels_refuse_a_slot_outside_the_pool_or_writing_the_one_read():
     pool = torch.zeros(3, 1, 1, 4)
     args = (torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1),
@@ -79,3 +101,6 @@ def test_kernels_refuse_a_slot_outside_the_pool_or_writing_the_one_read():
         _C.ssm_step(pool, torch.tensor([0]), torch.tensor([[3]]), *args)
     with pytest.raises(RuntimeError, match="out of place"):
         _C.ssm_step(pool, torch.tensor([1]), torch.tensor([[1]]), *args)
+    with pytest.raises(RuntimeError, match="out of place"):
+        _C.conv_step(torch.zeros(3, 2, 4), torch.tensor([1]), torch.tensor([[1]]), torch.zeros(1, 1, 4),
+                     torch.zeros(3, 4), None, False)

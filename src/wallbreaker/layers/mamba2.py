@@ -35,7 +35,7 @@ from .recurrent import RecurrentMixer, scan_spans
 # train with 256 (GPU kernels' tile); on a CPU the intra-chunk part, quadratic in the chunk, then
 # dominates: a 512-token prefill of Granite-4.0-H-1B's mixer takes 106 ms a layer at 256, 41 at 64.
 CPU_CHUNK = 64
-_ssm_step = _C.ssm_step
+_ssm_step, _conv_step = _C.ssm_step, _C.conv_step
 
 
 @dataclass
@@ -123,17 +123,13 @@ class Mamba2Mixer(RecurrentMixer):
     def step_in_pool(self, inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """T tokens of each of B sequences on the pool itself: xbc [B, T, conv_dim], dt [B, T, heads];
         states read from slots `src` [B], the state after token t written to slot dst[b, t] where that
-        is not -1. The SSM recurrence runs in C++ (`_C.ssm_step`), without gathering and scattering
-        the states; outputs [B, T, inner]."""
+        is not -1. The convolution and the SSM recurrence run in C++ (`_C.conv_step`, `_C.ssm_step`),
+        without gathering and scattering the states; outputs [B, T, inner]."""
         xbc, dt = inputs
         conv, ssm = self.state
         batch, steps, g = xbc.shape[0], xbc.shape[1], self.num_groups
-        seq = torch.cat([conv[src], xbc], dim=1)  # [B, K-1+T, conv_dim]
-        conv_out = self.conv_bias + sum(seq[:, k:k + steps] * self.conv_weight[k] for k in range(self.kernel))
-        keep = dst >= 0
-        after = seq.unfold(1, self.kernel - 1, 1)[:, 1:]  # [B, T, conv_dim, K-1]: the conv state after each token
-        conv[dst[keep]] = after[keep].transpose(-1, -2)
-        x, b, c = F.silu(conv_out).split([self.inner, g * self.state_size, g * self.state_size], -1)
+        conv_out = _conv_step(conv, src, dst, xbc, self.conv_weight, self.conv_bias, True)  # after SiLU
+        x, b, c = conv_out.split([self.inner, g * self.state_size, g * self.state_size], -1)
         y = _ssm_step(ssm, src, dst, x.contiguous().view(batch, steps, self.num_heads, self.head_dim),
                       b.contiguous().view(batch, steps, g, self.state_size),
                       c.contiguous().view(batch, steps, g, self.state_size),

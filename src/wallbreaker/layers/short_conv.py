@@ -12,8 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import _C
 from .attention import AttentionMetadata
 from .recurrent import RecurrentMixer, scan_spans
+
+
+_conv_step = _C.conv_step
 
 
 class ShortConv(RecurrentMixer):
@@ -25,9 +29,9 @@ class ShortConv(RecurrentMixer):
         self.channels, self.kernel = conv_weight.shape
         if self.kernel < 2:
             raise ValueError(f"a short convolution needs at least 2 taps, got {self.kernel}")
-        self.weight = conv_weight.float().contiguous()  # [channels, kernel]: step_in_pool's multiplier
-        self.taps = self.weight.t().contiguous()  # [kernel, channels]: the step's
-        self.conv1d_weight = self.weight.unsqueeze(1)  # [channels, 1, kernel]: the chunk's
+        weight = conv_weight.float().contiguous()
+        self.taps = weight.t().contiguous()  # [kernel, channels]: the step's and step_in_pool's
+        self.conv1d_weight = weight.unsqueeze(1)  # [channels, 1, kernel]: the chunk's
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.kernel - 1, self.channels)]
@@ -53,18 +57,5 @@ class ShortConv(RecurrentMixer):
     def step_in_pool(self, inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """T tokens of each of B sequences (decode: 1; verification: 1 + drafts): inputs ([B, T, channels],),
         states read from the pool's `src` slots [B], the state after token t written to slot dst[b, t]
-        (-1: not kept). The state after any token is a window of the inputs, so every one comes out of
-        one concatenation, without a token-by-token loop."""
-        pool = self.state[0]
-        window = torch.cat([pool[src], inputs[0]], dim=1)  # [B, kernel - 1 + T, channels]
-        if window.shape[1] == self.kernel:  # one token each: the contiguous form, as in `step`
-            out, after = (window * self.taps).sum(1, keepdim=True), window[:, None, 1:]
-        else:
-            out = (window.unfold(1, self.kernel, 1) * self.weight).sum(-1)  # [B, T, channels]
-            after = window.unfold(1, self.kernel - 1, 1)[:, 1:].transpose(-1, -2)  # [B, T, kernel - 1, channels]
-        keep = dst >= 0
-        if bool(keep.all()):
-            pool[dst.flatten()] = after.flatten(0, 1)
-        else:
-            pool[dst[keep]] = after[keep]
-        return out
+        (-1: not kept), in C++ (`_C.conv_step`): no gather, scatter or window copies."""
+        return _conv_step(self.state[0], src, dst, inputs[0], self.taps, None, False)
