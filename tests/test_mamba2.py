@@ -82,7 +82,7 @@ def test_our_gguf_writer_round_trip_matches_transformers(tmp_path, folder, gguf_
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: the Q8_0 blocks run by our kernels
-def test_q8_0_gguf_loads_and_generates(folder, gguf_of, reference, dtype):
+def test_q8_0_gguf_loads_and_generates(gguf_of, reference, dtype):
     llm = mamba2_llm(gguf_of("q8_0"), dtype=dtype)
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert logits_error(llm, reference, ids) < 0.05  # Q8_0 rounding of the projections, not a wrong model
