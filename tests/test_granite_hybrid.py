@@ -27,8 +27,9 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def folder_of(tmp_path_factory):
-    built = {}
+def folder_of(tmp_path_factory, recurrent_folder):
+    """The "moe" variant is the tiny Granite the recurrent tests share (tiny_recurrent.save_tiny_model)."""
+    built = {"moe": recurrent_folder("granite")}
 
     def get(variant: str):
         if variant not in built:

@@ -15,23 +15,14 @@ from tiny_recurrent import (GREEDY, TEXT, VOCAB, Make, assert_any_chunking_gives
                             assert_batching_and_chunking_keep_greedy, assert_generates, assert_matches_reference,
                             assert_preemption_keeps_greedy, assert_prefix_cache_hit,
                             assert_seeded_forks_are_separate_requests, assert_speculation_keeps_greedy, greedy_alone,
-                            greedy_of, load_reference, make_llm, no_fused_kernels, save_random_model)
+                            greedy_of, load_reference, make_llm, no_fused_kernels, save_random_model,
+                            tiny_config)
 
-
-
-def lfm2_config():
-    """Two convolutions and two attention layers; an FFN width that `block_auto_adjust_ff_dim`
-    changes (2/3 of 300 = 200, rounded up to 224), so that a loader ignoring it fails."""
-    from transformers import Lfm2Config
-    return Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=300, block_multiple_of=32,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 @pytest.fixture(scope="session")
-def lfm2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_random_model(lfm2_config(), tmp_path_factory.mktemp("lfm2") / "hf")
+def lfm2_folder(recurrent_folder) -> Path:
+    return recurrent_folder("lfm2")
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +151,7 @@ def test_n_samples_sharing_the_state_equal_separate_requests(make):
 
 # -- what the loaders read and refuse ------------------------------------------------------------
 def lfm2_json(**changes) -> dict:
-    hf = {**lfm2_config().to_dict(), **changes}
+    hf = {**tiny_config("lfm2").to_dict(), **changes}
     hf.pop("full_attn_idxs", None)
     return {k: v for k, v in hf.items() if v is not None}
 

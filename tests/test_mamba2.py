@@ -9,7 +9,6 @@ import functools
 import pytest
 
 from llamacpp_converter import convert
-from tiny_mamba import mamba2_config, save_model
 from tiny_recurrent import (GREEDY, PROMPTS, TEXT, Make, assert_a_small_state_pool_keeps_greedy,
                             assert_batching_and_chunking_keep_greedy, assert_generates, assert_matches_reference,
                             assert_prefix_cache_hit, assert_seeded_forks_are_separate_requests,
@@ -18,9 +17,9 @@ from tiny_recurrent import (GREEDY, PROMPTS, TEXT, Make, assert_a_small_state_po
 from wallbreaker import LLM
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return save_model(mamba2_config(), tmp_path_factory.mktemp("mamba2") / "hf")
+@pytest.fixture(scope="session")
+def folder(recurrent_folder):
+    return recurrent_folder("mamba2")
 
 
 @pytest.fixture(scope="module")

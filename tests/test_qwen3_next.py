@@ -11,15 +11,15 @@ import shutil
 import pytest
 import torch
 from tiny_recurrent import (TEXT, assert_any_chunking_gives_one_pass_logits, assert_generates, assert_matches_reference,
-                            load_reference, logits_error, no_fused_kernels, save_random_model, tiny_config)
+                            load_reference, logits_error, no_fused_kernels)
 
 from wallbreaker import LLM
 from wallbreaker.errors import ModelFormatError, UnsupportedModelError
 
 
 @pytest.fixture(scope="session")
-def hf_dir(tmp_path_factory):
-    return save_random_model(tiny_config("qwen3_next"), tmp_path_factory.mktemp("qwen3_next") / "model")
+def hf_dir(recurrent_folder):
+    return recurrent_folder("qwen3_next")
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +35,6 @@ def gguf_of(hf_dir, llamacpp_converter):
 
 @pytest.fixture(scope="session")
 def reference(hf_dir):
-    assert no_fused_kernels() == []
     return load_reference(hf_dir)
 
 

@@ -1,7 +1,8 @@
 """Tiny random-weight recurrent and hybrid models (LFM2, Granite-4.0-H, Mamba2, Qwen3-Next), built by
 transformers from a config, written as a Hugging Face folder with SmolLM2's tokenizer (one that
 llama.cpp's converter knows), and converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py`; and
-the checks against transformers that every architecture's tests share."""
+the checks against transformers that every architecture's tests share. Each architecture's folder is
+built once a session (conftest.py's `recurrent_folder`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -53,9 +54,10 @@ def save_random_model(hf_config, out: Path, seed: int = 0) -> Path:
 
 
 def load_reference(folder: Path):
-    """transformers' model from `folder`, float32, on its own torch path (the tests check that no
-    fused-kernel package is importable)."""
+    """transformers' model from `folder`, float32, on its own torch path: refused where a fused-kernel
+    package is importable, which transformers would run instead."""
     from transformers import AutoModelForCausalLM
+    assert no_fused_kernels() == [], "a fused-kernel package would replace the reference's torch path"
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
@@ -65,10 +67,30 @@ def no_fused_kernels() -> list[str]:
     return [m for m in ("mamba_ssm", "causal_conv1d", "fla") if importlib.util.find_spec(m) is not None]
 
 
+ARCHITECTURES = ("lfm2", "granite", "mamba2", "qwen3_next")
+
+
+def save_tiny_model(arch: str, out: Path) -> Path:
+    """The tiny random model of `arch` (one of ARCHITECTURES) as a Hugging Face folder in `out`."""
+    if arch in ("granite", "mamba2"):
+        from tiny_mamba import granite_config, mamba2_config, save_model  # tiny_mamba imports this module
+        return save_model(granite_config() if arch == "granite" else mamba2_config(), out)
+    return save_random_model(tiny_config(arch), out)
+
+
 def tiny_config(model_type: str):
     """A tiny transformers config of `model_type` at hidden size 64, with SmolLM2's vocabulary
-    (LFM2's and the Mamba2 family's live beside their tests: test_lfm2.py, tiny_mamba.py)."""
+    (the Mamba2 family's, with Granite's variants, live in tiny_mamba.py).
+
+    lfm2: two convolutions and two attention layers; an FFN width that `block_auto_adjust_ff_dim`
+    changes (2/3 of 300 = 200, rounded up to 224), so that a loader ignoring it fails."""
     import transformers as tf
+    if model_type == "lfm2":
+        return tf.Lfm2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=300, block_multiple_of=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if model_type == "qwen3_next":
         return tf.Qwen3NextConfig(
             vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
