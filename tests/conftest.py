@@ -107,3 +107,18 @@ def llamacpp_converter() -> Path:
     from llamacpp_converter import converter_dir
     from wallbreaker.formats.packaged import cache_dir
     return converter_dir(cache_dir())
+
+
+# -- recurrent and hybrid models (tests/tiny_recurrent.py) ----------------------------------------
+@pytest.fixture(scope="session")
+def recurrent_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`recurrent_folder("lfm2")`: the Hugging Face folder of that architecture's tiny random model
+    (tiny_recurrent.ARCHITECTURES), built once a session for its own tests and the engine's."""
+    from tiny_recurrent import save_tiny_model
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = save_tiny_model(arch, tmp_path_factory.mktemp(arch) / "hf")
+        return built[arch]
+    return get

@@ -2,21 +2,18 @@
 on the same random weights: Mamba2 layers around attention without positional encoding, experts
 beside a shared expert (or a dense shared MLP alone, as Granite-4.0-H-1B and -350M are), Granite's
 four multipliers; from the Hugging Face folder and from llama.cpp's converter's GGUF (F32; Q8_0 loads
-and runs); and the engine's promises on the hybrid."""
+and runs). The engine's behaviours on the hybrid ("moe", the shared tiny Granite) are
+tests/test_recurrent_engine.py's."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 
 from llamacpp_converter import convert
 from tiny_mamba import granite_config, save_model
-from tiny_recurrent import (TEXT, Make, assert_a_small_state_pool_keeps_greedy,
-                            assert_batching_and_chunking_keep_greedy, assert_generates, assert_matches_reference,
-                            assert_preemption_keeps_greedy, assert_prefix_cache_hit,
-                            assert_seeded_forks_are_separate_requests, assert_speculation_keeps_greedy, greedy_alone,
-                            load_reference, logits_error, make_llm, no_fused_kernels, text_prompts)
+from tiny_recurrent import (TEXT, assert_generates, assert_matches_reference, load_reference, logits_error,
+                            make_llm)
 from wallbreaker.errors import UnsupportedModelError
 
 VARIANTS = {
@@ -27,8 +24,9 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def folder_of(tmp_path_factory):
-    built = {}
+def folder_of(tmp_path_factory, recurrent_folder):
+    """The "moe" variant is the tiny Granite the recurrent tests share (tiny_recurrent.save_tiny_model)."""
+    built = {"moe": recurrent_folder("granite")}
 
     def get(variant: str):
         if variant not in built:
@@ -55,15 +53,6 @@ def reference_of(folder_of):
             built[variant] = load_reference(folder_of(variant))
         return built[variant]
     return get
-
-
-@pytest.fixture(scope="module")
-def make(folder_of) -> Make:
-    return functools.partial(make_llm, folder_of("moe"))
-
-
-def test_transformers_runs_its_own_torch_path():
-    assert no_fused_kernels() == []
 
 
 @pytest.mark.parametrize("variant,source", [("moe", "hf"), ("moe", "gguf"), ("dense", "hf"), ("dense", "gguf"),
@@ -141,55 +130,3 @@ def test_keys_that_change_the_math_are_refused(tmp_path, folder_of, key, value):
     (folder / "config.json").write_text(json.dumps({**cfg, key: value}))
     with pytest.raises(UnsupportedModelError, match=key):
         make_llm(folder)
-
-
-@pytest.fixture(scope="module")
-def prompts(make):
-    return text_prompts(make())
-
-
-@pytest.fixture(scope="module")
-def expected(make, prompts):
-    return greedy_alone(make(enable_prefix_caching=False), prompts)
-
-
-def test_chunked_prefill_and_batching_keep_the_greedy_tokens(make, prompts, expected):
-    assert_batching_and_chunking_keep_greedy(make, prompts, expected)
-
-
-def test_repeated_prompt_hits_the_prefix_cache(make, prompts, expected):
-    assert assert_prefix_cache_hit(make(kv_block_size=4), prompts[2]) == expected[2]
-
-
-def test_ngram_speculation_keeps_the_greedy_tokens(make, prompts, expected):
-    llm = make(speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
-    assert assert_speculation_keeps_greedy(llm, prompts, expected)[-1].metrics["spec_proposed_tokens"] > 0
-
-
-def test_draft_model_speculation_keeps_the_greedy_tokens(make, prompts, expected):
-    """SmolLM2-135M (the same tokenizer) drafts; the random target rejects its drafts, so each
-    verification keeps the state after the first position and drops the rest."""
-    from wallbreaker.formats.packaged import packaged_model_path
-    llm = make(speculative_method="draft", speculative_model=str(packaged_model_path("smollm2")),
-               num_speculative_tokens=3, speculative_adaptive=False)
-    outs = assert_speculation_keeps_greedy(llm, prompts, expected)
-    assert all(o.metrics.get("spec_proposed_tokens", 0) > 0 for o in outs)
-
-
-def test_a_pool_too_small_for_all_keeps_the_greedy_tokens(make, prompts, expected):
-    assert_a_small_state_pool_keeps_greedy(make, prompts, expected, slots=20, kv_block_size=4)
-
-
-def test_preemption_keeps_the_greedy_tokens(make):
-    """Two long prompts in a budget whose KV share holds fewer tokens than both need: one is
-    preempted and recomputed."""
-    plain = make(enable_prefix_caching=False)
-    ids = plain.tokenizer.encode(TEXT * 12)
-    prompts = [ids[:440], ids[5:450], ids[10:430]]
-    per_slot = plain.stats()["state_bytes_per_sequence"]
-    llm = make(max_num_seqs=2, prefix_state_slots=0, kv_block_size=4, kv_cache_memory_gb=2 * 7 * per_slot / 2**30)
-    assert_preemption_keeps_greedy(llm, prompts, greedy_alone(plain, prompts))
-
-
-def test_seeded_samples_are_the_same_whatever_else_is_in_the_batch(make, prompts):
-    assert_seeded_forks_are_separate_requests(make(), prompts[0], prompts[2])

@@ -1,37 +1,21 @@
 """LFM2 end to end against transformers on the same random weights, from a Hugging Face folder and
 from llama.cpp's converter (F32, and Q8_0 that must load and generate): float32 logits and greedy
-tokens; the engine's behaviours (chunked prefill, speculation, the prefix cache, preemption, forks)
-keep greedy output exact on its convolution states."""
+tokens; what the loaders read and refuse; our GGUF writer against the converter. The engine's
+behaviours on its convolution states are tests/test_recurrent_engine.py's."""
 from __future__ import annotations
 
-import functools
-import random
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_recurrent import (GREEDY, TEXT, VOCAB, Make, assert_any_chunking_gives_one_pass_logits,
-                            assert_batching_and_chunking_keep_greedy, assert_generates, assert_matches_reference,
-                            assert_preemption_keeps_greedy, assert_prefix_cache_hit,
-                            assert_seeded_forks_are_separate_requests, assert_speculation_keeps_greedy, greedy_alone,
-                            greedy_of, load_reference, make_llm, no_fused_kernels, save_random_model)
-
-
-
-def lfm2_config():
-    """Two convolutions and two attention layers; an FFN width that `block_auto_adjust_ff_dim`
-    changes (2/3 of 300 = 200, rounded up to 224), so that a loader ignoring it fails."""
-    from transformers import Lfm2Config
-    return Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=300, block_multiple_of=32,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+from tiny_recurrent import (TEXT, VOCAB, assert_generates, assert_matches_reference, load_reference, make_llm,
+                            tiny_config)
 
 
 @pytest.fixture(scope="session")
-def lfm2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_random_model(lfm2_config(), tmp_path_factory.mktemp("lfm2") / "hf")
+def lfm2_folder(recurrent_folder) -> Path:
+    return recurrent_folder("lfm2")
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +30,6 @@ def lfm2_gguf(lfm2_folder: Path, llamacpp_converter) -> Callable:
 @pytest.fixture(scope="module")
 def reference(lfm2_folder: Path):
     return load_reference(lfm2_folder)
-
-
-def test_transformers_runs_its_own_torch_path():
-    assert no_fused_kernels() == []
 
 
 @pytest.mark.parametrize("source", ["hf", "f32"])
@@ -80,87 +60,9 @@ def test_q8_0_gguf_loads_and_generates(lfm2_gguf, reference):
         assert_generates(llm)
 
 
-def test_any_chunking_gives_the_logits_of_one_pass(lfm2_folder):
-    llm = make_llm(lfm2_folder, kv_block_size=4)
-    assert_any_chunking_gives_one_pass_logits(llm, llm.tokenizer.encode(TEXT)[:45])
-
-
-# -- the engine's behaviours on the convolution states -------------------------------------------
-def engine_prompts(count: int, seed: int = 0) -> list[list[int]]:
-    """Prompts of mixed lengths with repeated motifs (so that n-gram speculation proposes)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        motif = [rng.randrange(3, 2000) for _ in range(rng.randint(2, 6))]
-        out.append((motif * 12)[:rng.randint(3, 45)])
-    return out
-
-
-@pytest.fixture(scope="module")
-def make(lfm2_folder) -> Make:
-    return functools.partial(make_llm, lfm2_folder)
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return engine_prompts(8)
-
-
-@pytest.fixture(scope="module")
-def expected(make, prompts):
-    return greedy_alone(make(enable_prefix_caching=False), prompts)
-
-
-@pytest.fixture(scope="module")
-def llama_draft(tmp_path_factory):
-    """A random-weight Llama with the same tokenizer: a draft that is often wrong."""
-    from transformers import LlamaConfig
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    return save_random_model(config, tmp_path_factory.mktemp("lfm2_draft") / "hf", seed=1)
-
-
-def test_batched_and_chunked_prefill_give_the_tokens_of_each_prompt_alone(make, prompts, expected):
-    assert_batching_and_chunking_keep_greedy(make, prompts, expected)
-    long_prompt = (prompts[0] * 40)[:300]
-    assert greedy_of(make(max_num_batched_tokens=64), [long_prompt, *prompts])[1:] == expected
-
-
-def test_ngram_speculation_is_token_for_token_plain_greedy(make, prompts, expected):
-    llm = make(speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
-    assert_speculation_keeps_greedy(llm, prompts, expected)
-    assert llm.stats()["spec_accepted"] > 0
-
-
-def test_draft_model_speculation_is_token_for_token_plain_greedy(make, llama_draft, prompts, expected):
-    llm = make(speculative_method="draft", speculative_model=str(llama_draft), num_speculative_tokens=3,
-               speculative_adaptive=False)
-    assert_speculation_keeps_greedy(llm, prompts, expected)
-
-
-def test_preemption_in_a_small_pool_gives_the_same_tokens(make, prompts, expected):
-    from wallbreaker.kv.cache import bytes_per_block
-    per_block = bytes_per_block(make().model_config, 4, torch.float32)
-    assert_preemption_keeps_greedy(make(kv_block_size=4, kv_cache_memory_gb=96 * per_block / 2**30), prompts, expected)
-
-
-def test_a_repeated_or_extended_prompt_starts_from_a_cached_state(make):
-    llm = make(kv_block_size=4)
-    prompt = (engine_prompts(1, seed=5)[0] * 10)[:41]
-    longer = prompt + assert_prefix_cache_hit(llm, prompt)[:5]
-    extended = llm.generate([{"prompt_token_ids": longer}], GREEDY)[0]
-    assert extended.metrics["num_cached_prompt_tokens"] > 0
-    assert greedy_of(make(kv_block_size=4, enable_prefix_caching=False), [longer]) == [extended.outputs[0].token_ids]
-
-
-def test_n_samples_sharing_the_state_equal_separate_requests(make):
-    assert_seeded_forks_are_separate_requests(make(), *engine_prompts(2, seed=6))
-
-
 # -- what the loaders read and refuse ------------------------------------------------------------
 def lfm2_json(**changes) -> dict:
-    hf = {**lfm2_config().to_dict(), **changes}
+    hf = {**tiny_config("lfm2").to_dict(), **changes}
     hf.pop("full_attn_idxs", None)
     return {k: v for k, v in hf.items() if v is not None}
 

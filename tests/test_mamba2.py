@@ -1,26 +1,22 @@
 """Pure Mamba2 (models/mamba2.py) end to end against transformers' Mamba2ForCausalLM on the same
 random weights, from the Hugging Face folder and from llama.cpp's converter's GGUF (F32; Q8_0 loads
-and runs), and the engine's promises on a model with no attention at all."""
+and runs), and a model with no attention at all: no KV pages. The engine's behaviours on its states
+are tests/test_recurrent_engine.py's."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 
 from llamacpp_converter import convert
-from tiny_mamba import mamba2_config, save_model
-from tiny_recurrent import (GREEDY, PROMPTS, TEXT, Make, assert_a_small_state_pool_keeps_greedy,
-                            assert_batching_and_chunking_keep_greedy, assert_generates, assert_matches_reference,
-                            assert_prefix_cache_hit, assert_seeded_forks_are_separate_requests,
-                            assert_speculation_keeps_greedy, greedy_alone, holds_only_checkpoints, load_reference,
-                            logits_error, make_llm, no_fused_kernels, text_prompts)
+from tiny_recurrent import (GREEDY, PROMPTS, TEXT, assert_generates, assert_matches_reference, holds_only_checkpoints,
+                            load_reference, logits_error, make_llm)
 from wallbreaker import LLM
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return save_model(mamba2_config(), tmp_path_factory.mktemp("mamba2") / "hf")
+@pytest.fixture(scope="session")
+def folder(recurrent_folder):
+    return recurrent_folder("mamba2")
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +35,6 @@ def mamba2_llm(path, **options) -> LLM:
     """max_model_len: without attention the block table only keys the prefix cache, and the engine
     sizes it by max_num_seqs * max_model_len (the converter says 2**20 tokens)."""
     return make_llm(path, **{"max_model_len": 2048, **options})
-
-
-@pytest.fixture(scope="module")
-def make(folder) -> Make:
-    return functools.partial(mamba2_llm, folder)
-
-
-def test_transformers_runs_its_own_torch_path():
-    assert no_fused_kernels() == []
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
@@ -82,59 +69,17 @@ def test_our_gguf_writer_round_trip_matches_transformers(tmp_path, folder, gguf_
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: the Q8_0 blocks run by our kernels
-def test_q8_0_gguf_loads_and_generates(folder, gguf_of, reference, dtype):
+def test_q8_0_gguf_loads_and_generates(gguf_of, reference, dtype):
     llm = mamba2_llm(gguf_of("q8_0"), dtype=dtype)
     ids = llm.tokenizer.encode(TEXT)[:60]
     assert logits_error(llm, reference, ids) < 0.05  # Q8_0 rounding of the projections, not a wrong model
     assert_generates(llm)
 
 
-def test_runs_with_no_kv_pages_and_reports_its_states(make):
-    llm = make(max_num_seqs=4)
+def test_runs_with_no_kv_pages_and_reports_its_states(folder):
+    llm = mamba2_llm(folder, max_num_seqs=4)
     llm.generate([PROMPTS[0]], GREEDY)
     stats = llm.stats()
     assert llm.kv_cache.tensor.numel() == 0  # the block table only keys the prefix cache: no pages
     assert stats["state_bytes_per_sequence"] == 2 * 4 * (3 * 192 + 8 * 16 * 16)  # layers, float32, conv + SSM
     assert holds_only_checkpoints(llm)
-
-
-@pytest.fixture(scope="module")
-def prompts(make):
-    return text_prompts(make())
-
-
-@pytest.fixture(scope="module")
-def expected(make, prompts):
-    return greedy_alone(make(enable_prefix_caching=False), prompts)
-
-
-def test_chunked_prefill_and_batching_keep_the_greedy_tokens(make, prompts, expected):
-    assert_batching_and_chunking_keep_greedy(make, prompts, expected)
-
-
-def test_repeated_prompt_hits_the_prefix_cache(make, prompts, expected):
-    assert assert_prefix_cache_hit(make(kv_block_size=4), prompts[2]) == expected[2]
-
-
-def test_ngram_speculation_keeps_the_greedy_tokens(make, prompts, expected):
-    """The state after each verified position is what is kept or dropped."""
-    llm = make(speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
-    assert assert_speculation_keeps_greedy(llm, prompts, expected)[-1].metrics["spec_proposed_tokens"] > 0
-
-
-def test_draft_model_speculation_keeps_the_greedy_tokens(make, prompts, expected):
-    """SmolLM2-135M (the same tokenizer) drafts; the random target rejects its drafts, so each
-    verification keeps the state after the first position and drops the rest."""
-    from wallbreaker.formats.packaged import packaged_model_path
-    llm = make(speculative_method="draft", speculative_model=str(packaged_model_path("smollm2")),
-               num_speculative_tokens=3, speculative_adaptive=False)
-    outs = assert_speculation_keeps_greedy(llm, prompts, expected)
-    assert all(o.metrics.get("spec_proposed_tokens", 0) > 0 for o in outs)
-
-
-def test_a_pool_too_small_for_all_keeps_the_greedy_tokens(make, prompts, expected):
-    assert_a_small_state_pool_keeps_greedy(make, prompts, expected, slots=8)
-
-
-def test_seeded_samples_are_the_same_whatever_else_is_in_the_batch(make, prompts):
-    assert_seeded_forks_are_separate_requests(make(), prompts[0], prompts[2])

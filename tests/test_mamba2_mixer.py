@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiny_mamba import mamba2_config, save_model
-from tiny_recurrent import load_reference, no_fused_kernels
+from tiny_recurrent import load_reference
 from wallbreaker.formats.hf_model import read_hf_folder
 from wallbreaker.layers.mamba2 import Mamba2Mixer
 from wallbreaker.models.mamba2 import mamba2_mixer
@@ -22,12 +22,15 @@ SLOTS = 8
 
 
 @pytest.fixture(scope="module", params=["default", "clamped", "torch-step"])
-def mixers(request, tmp_path_factory):
-    """(ours, transformers') layer-0 mixers. "clamped": a time_step_limit that binds (dt is ~0.001-0.1);
-    "torch-step": short spans through the torch `step` rather than the C++ `step_in_pool`."""
-    limit = {"clamped": (0.0, 0.02)}.get(request.param)
-    hf = mamba2_config(**({"time_step_limit": limit} if limit else {}))
-    folder = save_model(hf, tmp_path_factory.mktemp("mamba2_mixer") / "model")
+def mixers(request, tmp_path_factory, recurrent_folder):
+    """(ours, transformers') layer-0 mixers, of the tiny Mamba2 the recurrent tests share. "clamped": a
+    time_step_limit that binds (dt is ~0.001-0.1); "torch-step": short spans through the torch `step`
+    rather than the C++ `step_in_pool`."""
+    if request.param == "clamped":
+        hf = mamba2_config(time_step_limit=(0.0, 0.02))
+        folder = save_model(hf, tmp_path_factory.mktemp("mamba2_clamped") / "model")
+    else:
+        folder = recurrent_folder("mamba2")
     files = read_hf_folder(folder)
     ours = mamba2_mixer(files.config, 0, WeightSource(files.weights, torch.float32, packed=False))
     ours.state = [torch.zeros(SLOTS, *shape) for shape in ours.state_shapes()]
@@ -56,10 +59,6 @@ def inputs(seed: int, length: int = LENGTH) -> torch.Tensor:
 def clear(mixer: Mamba2Mixer) -> None:
     for p in mixer.state:
         p.zero_()
-
-
-def test_transformers_runs_its_own_torch_path():
-    assert no_fused_kernels() == []
 
 
 def test_one_chunked_pass_matches_transformers(mixers):

@@ -1,7 +1,7 @@
 """Qwen3-Next against transformers on the same random weights (tests/tiny_recurrent.py), read from the
 Hugging Face folder and from llama.cpp's converter's GGUF (F32; Q8_0 loads and generates): float32
 logits over a text of 40+ tokens and greedy tokens on two prompts; the config keys we do not run
-refused."""
+refused. The engine's behaviours on its states are tests/test_recurrent_engine.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,16 +10,15 @@ import shutil
 
 import pytest
 import torch
-from tiny_recurrent import (TEXT, assert_any_chunking_gives_one_pass_logits, assert_generates, assert_matches_reference,
-                            load_reference, logits_error, no_fused_kernels, save_random_model, tiny_config)
+from tiny_recurrent import TEXT, assert_generates, assert_matches_reference, load_reference, logits_error
 
 from wallbreaker import LLM
 from wallbreaker.errors import ModelFormatError, UnsupportedModelError
 
 
 @pytest.fixture(scope="session")
-def hf_dir(tmp_path_factory):
-    return save_random_model(tiny_config("qwen3_next"), tmp_path_factory.mktemp("qwen3_next") / "model")
+def hf_dir(recurrent_folder):
+    return recurrent_folder("qwen3_next")
 
 
 @pytest.fixture(scope="session")
@@ -35,12 +34,7 @@ def gguf_of(hf_dir, llamacpp_converter):
 
 @pytest.fixture(scope="session")
 def reference(hf_dir):
-    assert no_fused_kernels() == []
     return load_reference(hf_dir)
-
-
-def test_transformers_runs_its_own_torch_path():
-    assert no_fused_kernels() == [], "a fused-kernel package would replace the reference's torch path"
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
@@ -70,11 +64,6 @@ def test_q8_0_gguf_loads_and_generates(gguf_of, reference):
     assert llm.model_config.architecture == "qwen3next"
     assert logits_error(llm, reference, llm.tokenizer.encode(TEXT)) < 0.1  # 8-bit weights: near, not at it
     assert_generates(llm)
-
-
-def test_any_chunking_gives_one_pass_logits(gguf_of):
-    llm = LLM(str(gguf_of("f32")), dtype="float32", kv_cache_memory_gb=0.05, kv_block_size=4)
-    assert_any_chunking_gives_one_pass_logits(llm, llm.tokenizer.encode(TEXT))
 
 
 @pytest.mark.parametrize("key, value", [("decoder_sparse_step", 2), ("mlp_only_layers", [1]),

@@ -75,6 +75,16 @@ def test_greedy_with_a_draft_model_is_token_for_token_plain_greedy(target, poor_
     assert spec.engine.speculator.draft.scheduler.stats()["kv_blocks_used"] == 0  # the draft's cache is freed too
 
 
+def test_a_draft_model_under_a_token_budget_below_its_drafts_is_token_for_token_plain_greedy(target, plain_greedy):
+    """5 tokens a step, 8 drafts: drafts are dropped unverified, the target draws the first itself, and
+    the draft, whose cache holds that token already, still computes it again for its logits."""
+    spec = llm(target, speculative_method="draft", speculative_model=target, num_speculative_tokens=8,
+               speculative_adaptive=False, max_num_batched_tokens=5)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts(), GREEDY)] == plain_greedy
+    assert spec.stats()["kv_blocks_used"] == 0
+    assert spec.engine.speculator.draft.scheduler.stats()["kv_blocks_used"] == 0
+
+
 def test_max_tokens_and_stop_strings_inside_an_accepted_run(target):
     plain = llm(target)
     spec = llm(target, speculative_method="ngram", num_speculative_tokens=8, speculative_adaptive=False)

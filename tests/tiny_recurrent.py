@@ -1,17 +1,17 @@
 """Tiny random-weight recurrent and hybrid models (LFM2, Granite-4.0-H, Mamba2, Qwen3-Next), built by
 transformers from a config, written as a Hugging Face folder with SmolLM2's tokenizer (one that
 llama.cpp's converter knows), and converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py`; and
-the checks against transformers that every architecture's tests share."""
+the checks against transformers that every architecture's tests share. Each architecture's folder is
+built once a session (conftest.py's `recurrent_folder`); the engine's behaviours on all four are
+tests/test_recurrent_engine.py."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from wallbreaker import LLM, SamplingParams
 from wallbreaker.formats.packaged import packaged_model_path
-from wallbreaker.kv.state_pool import slots_per_sequence
 
 VOCAB = 49152  # SmolLM2's
 TEXT = ("A recurrent layer keeps a fixed-size state per sequence instead of a cache that grows with the context; "
@@ -21,8 +21,6 @@ PROMPTS = ["The quick brown fox", "Once upon a time there was"]
 GREEDY_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
 TIE = 1e-3  # the reference's top two logits this close: either token is right
-
-Make = Callable[..., LLM]  # engine options -> an engine running the model under test
 
 
 def smollm2_tokenizer():
@@ -53,9 +51,10 @@ def save_random_model(hf_config, out: Path, seed: int = 0) -> Path:
 
 
 def load_reference(folder: Path):
-    """transformers' model from `folder`, float32, on its own torch path (the tests check that no
-    fused-kernel package is importable)."""
+    """transformers' model from `folder`, float32, on its own torch path: refused where a fused-kernel
+    package is importable, which transformers would run instead."""
     from transformers import AutoModelForCausalLM
+    assert no_fused_kernels() == [], "a fused-kernel package would replace the reference's torch path"
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
@@ -65,10 +64,30 @@ def no_fused_kernels() -> list[str]:
     return [m for m in ("mamba_ssm", "causal_conv1d", "fla") if importlib.util.find_spec(m) is not None]
 
 
+ARCHITECTURES = ("lfm2", "granite", "mamba2", "qwen3_next")
+
+
+def save_tiny_model(arch: str, out: Path) -> Path:
+    """The tiny random model of `arch` (one of ARCHITECTURES) as a Hugging Face folder in `out`."""
+    if arch in ("granite", "mamba2"):
+        from tiny_mamba import granite_config, mamba2_config, save_model  # tiny_mamba imports this module
+        return save_model(granite_config() if arch == "granite" else mamba2_config(), out)
+    return save_random_model(tiny_config(arch), out)
+
+
 def tiny_config(model_type: str):
     """A tiny transformers config of `model_type` at hidden size 64, with SmolLM2's vocabulary
-    (LFM2's and the Mamba2 family's live beside their tests: test_lfm2.py, tiny_mamba.py)."""
+    (the Mamba2 family's, with Granite's variants, live in tiny_mamba.py).
+
+    lfm2: two convolutions and two attention layers; an FFN width that `block_auto_adjust_ff_dim`
+    changes (2/3 of 300 = 200, rounded up to 224), so that a loader ignoring it fails."""
     import transformers as tf
+    if model_type == "lfm2":
+        return tf.Lfm2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=300, block_multiple_of=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if model_type == "qwen3_next":
         return tf.Qwen3NextConfig(
             vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -115,90 +134,18 @@ def assert_generates(llm: LLM) -> None:
     assert [len(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)] == [GREEDY_TOKENS] * len(PROMPTS)
 
 
-def assert_any_chunking_gives_one_pass_logits(llm: LLM, ids: list[int]) -> None:
+def assert_any_chunking_gives_one_pass_logits(llm: LLM, ids: list[int], chunks: tuple[int, ...] = (1, 5, 7)) -> None:
     full = llm.logits(ids)
-    for chunk in (1, 5, 7):
+    for chunk in chunks:
         assert (llm.logits(ids, chunk_size=chunk) - full).abs().max().item() < 1e-4, chunk
 
 
-# -- the engine's behaviours keep greedy output exact on the states -------------------------------
+# -- engines on the tiny models -------------------------------------------------------------------
 def make_llm(path: Path | str, **options) -> LLM:
     return LLM(str(path), **{"dtype": "float32", "kv_cache_memory_gb": 0.05, **options})
-
-
-def greedy_of(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    """Each prompt's greedy tokens, all submitted at once."""
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-
-
-def greedy_alone(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [greedy_of(llm, [p])[0] for p in prompts]
-
-
-def text_prompts(llm: LLM) -> list[list[int]]:
-    """PROMPTS, a long prompt (TEXT three times), and one that repeats itself so that n-grams propose
-    drafts (which a random model's continuation rejects)."""
-    long = llm.tokenizer.encode(TEXT * 3)
-    return [llm.tokenizer.encode(p) for p in PROMPTS] + [long, long[:6] * 4 + long[:3]]
 
 
 def holds_only_checkpoints(llm: LLM) -> bool:
     """Once every request is done, the only state slots taken are the prefix cache's checkpoints."""
     stats = llm.stats()
     return stats["state_slots_used"] == stats["state_checkpoints"]
-
-
-def assert_batching_and_chunking_keep_greedy(make: Make, prompts: list[list[int]], expected: list[list[int]]) -> None:
-    """`prompts` submitted together, prefilled whole and in steps of 5 tokens, give `expected` (each
-    prompt's tokens on its own)."""
-    assert greedy_of(make(), prompts) == expected
-    assert greedy_of(make(max_num_batched_tokens=5), prompts) == expected
-
-
-def assert_prefix_cache_hit(llm: LLM, prompt: list[int]) -> list[int]:
-    """`prompt` a second time starts from the prefix cache and gives the first time's greedy tokens,
-    which are returned."""
-    first = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
-    again = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
-    assert again.metrics["num_cached_prompt_tokens"] > 0
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    return first.outputs[0].token_ids
-
-
-def assert_speculation_keeps_greedy(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> list:
-    """`llm`, speculating, gives `expected` token for token, has proposed drafts, and has given back
-    every KV block and state slot but the prefix cache's. Returns its request outputs."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    stats = llm.stats()
-    assert stats["spec_proposed"] > 0 and stats["kv_blocks_used"] == 0 and holds_only_checkpoints(llm)
-    return outs
-
-
-def assert_preemption_keeps_greedy(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
-    assert greedy_of(llm, prompts) == expected
-    stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["kv_blocks_used"] == 0 and holds_only_checkpoints(llm)
-
-
-def assert_a_small_state_pool_keeps_greedy(make: Make, prompts: list[list[int]], expected: list[list[int]],
-                                           slots: int, **options) -> None:
-    """Three copies of `prompts` at once, with up to 8 running, in a budget of `slots` states' bytes
-    (less what attention's K/V takes): fewer than 8 fit, the rest wait, and each gets `expected`."""
-    per_slot = make(max_num_seqs=8, **options).stats()["state_bytes_per_sequence"]
-    llm = make(max_num_seqs=8, kv_cache_memory_gb=slots * per_slot / 2**30, **options)
-    assert greedy_of(llm, prompts * 3) == expected * 3
-    assert llm.stats()["state_slots_total"] < min(slots, 8 * slots_per_sequence(0)) and holds_only_checkpoints(llm)
-
-
-def assert_seeded_forks_are_separate_requests(llm: LLM, prompt: list[int], other: list[int]) -> None:
-    """n = 4 samples of `prompt` share its state slot; sample i with seed s is the request with seed
-    s + i on its own, whatever else is in the batch, and the samples differ."""
-    def sampled(prompts: list[list[int]], **params) -> list[list[int]]:
-        params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, **params)
-        return [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)[-1].outputs]
-
-    forks = sampled([prompt], n=4, seed=7)
-    assert sampled([other, prompt], n=4, seed=7) == forks
-    assert [sampled([prompt], seed=7 + i)[0] for i in range(4)] == forks
-    assert len({tuple(t) for t in forks}) > 1 and holds_only_checkpoints(llm)

@@ -100,7 +100,10 @@ class DraftProposer:
             if a != b:
                 break
             common += 1
-        self.scheduler.rollback(d, min(d.num_computed_tokens, common))
+        # never past the target's last token: its logits give the first draft. (A draft can hold it
+        # already: it computed its own drafts, the target's token budget dropped them unverified,
+        # and the target then drew the first one itself.)
+        self.scheduler.rollback(d, min(d.num_computed_tokens, common, target.num_tokens - 1))
         d.token_ids = list(target.token_ids)
         return self._constrain(d, target)
 
