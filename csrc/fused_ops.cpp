@@ -11,8 +11,6 @@
 
 #include "vec_math.h"
 
-int wb_kernel_level();  // ops.cpp: 0 generic, 1 avx2, 2 avx512
-
 namespace {
 
 constexpr int64_t kRowsPerTask = 16;
@@ -84,22 +82,7 @@ namespace {
     }                                                                                          \
     for (; i < n; i++) o[i] = act_of<float, int32_t>(g[i], silu) * u[i];                      \
   }
-WB_GATED_ROW(gated_row_generic, )
-#if defined(__x86_64__)
-WB_GATED_ROW(gated_row_avx2, __attribute__((target("avx2,fma"))))
-WB_GATED_ROW(gated_row_avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"))))
-#endif
-
-typedef void (*GatedRowFn)(const float*, const float*, float*, int64_t, bool);
-
-GatedRowFn gated_row_for_level() {
-#if defined(__x86_64__)
-  const int level = wb_kernel_level();
-  if (level >= 2) return gated_row_avx512;
-  if (level >= 1) return gated_row_avx2;
-#endif
-  return gated_row_generic;
-}
+WB_VARIANTS(WB_GATED_ROW, gated_row)
 
 }  // namespace
 
@@ -112,7 +95,7 @@ torch::Tensor gated_act(const torch::Tensor& gate_up_in, const std::string& act)
   auto out = torch::empty({gate_up.size(0), I}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const GatedRowFn row = gated_row_for_level();
+  const auto row = gated_row_for_level();
   at::parallel_for(0, gate_up.size(0), kRowsPerTask, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) row(gp + r * 2 * I, gp + r * 2 * I + I, op + r * I, I, silu);
   });

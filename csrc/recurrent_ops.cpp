@@ -21,8 +21,6 @@
 #include <immintrin.h>
 #endif
 
-int wb_kernel_level();  // ops.cpp: 0 generic, 1 avx2, 2 avx512
-
 namespace {
 
 void check_pool(const torch::Tensor& pool, const torch::Tensor& src, const torch::Tensor& dst, int64_t batch,
@@ -90,13 +88,7 @@ inline __attribute__((always_inline)) float ssm_row(const float* row_in, float* 
     for (int64_t p = 0; p < head_dim; ++p)                                                              \
       y[p] = ssm_row(in + p * d_state, out + p * d_state, b, c, decay, x[p] * dt, d_state) + d * x[p];   \
   }
-WB_SSM_HEAD(ssm_head_generic, )
-#if defined(__x86_64__)
-WB_SSM_HEAD(ssm_head_avx2, __attribute__((target("avx2,fma"))))
-WB_SSM_HEAD(ssm_head_avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"))))
-#endif
-typedef void (*SsmHeadFn)(const float*, float*, const float*, const float*, const float*, float, float, float,
-                          int64_t, int64_t, float*);
+WB_VARIANTS(WB_SSM_HEAD, ssm_head)
 
 // One token of a causal depthwise convolution over C channels: out[c] = bias[c] + sum_k w[k][c]
 // win[k][c] (win: the K - 1 inputs before the token, oldest first, then the token's own), SiLU
@@ -126,30 +118,7 @@ typedef void (*SsmHeadFn)(const float*, float*, const float*, const float*, cons
       out[c] = silu ? act_of<float, int32_t>(acc, true) : acc;                                      \
     }                                                                                               \
   }
-WB_CONV_ROW(conv_row_generic, )
-#if defined(__x86_64__)
-WB_CONV_ROW(conv_row_avx2, __attribute__((target("avx2,fma"))))
-WB_CONV_ROW(conv_row_avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"))))
-#endif
-typedef void (*ConvRowFn)(const float* const*, const float*, const float*, int64_t, int64_t, bool, float*);
-
-ConvRowFn conv_row_for_level() {
-#if defined(__x86_64__)
-  const int level = wb_kernel_level();
-  if (level >= 2) return conv_row_avx512;
-  if (level >= 1) return conv_row_avx2;
-#endif
-  return conv_row_generic;
-}
-
-SsmHeadFn ssm_head_for_level() {
-#if defined(__x86_64__)
-  const int level = wb_kernel_level();
-  if (level >= 2) return ssm_head_avx512;
-  if (level >= 1) return ssm_head_avx2;
-#endif
-  return ssm_head_generic;
-}
+WB_VARIANTS(WB_CONV_ROW, conv_row)
 
 // A new state goes to its pool slot with streaming stores: the slot is not read again this step,
 // so the stores bypass the cache and skip reading the line first (a slot written per token is the
@@ -199,7 +168,7 @@ torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst,
   const int64_t *src_p = src.data_ptr<int64_t>(), *dst_p = dst.data_ptr<int64_t>();
   float* y_p = y.data_ptr<float>();
   const int64_t per_group = heads / groups, state_size = head_dim * d_state;
-  const SsmHeadFn head = ssm_head_for_level();
+  const auto head = ssm_head_for_level();
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> state(state_size);  // the running state, token to token, in cache
     for (int64_t i = begin; i < end; ++i) {
@@ -300,7 +269,7 @@ torch::Tensor conv_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst
   const int64_t *src_p = src.data_ptr<int64_t>(), *dst_p = dst.data_ptr<int64_t>();
   const int64_t sb = x.stride(0), st = x.stride(1), state = (K - 1) * C;
   float* out_p = out.data_ptr<float>();
-  const ConvRowFn row = conv_row_for_level();
+  const auto row = conv_row_for_level();
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<const float*> seq(K - 1 + steps);  // the state's rows, then the tokens'
     for (int64_t b = begin; b < end; ++b) {

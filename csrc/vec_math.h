@@ -7,6 +7,26 @@
 #include <stdint.h>
 #include <string.h>
 
+int wb_kernel_level();  // ops.cpp: 0 generic, 1 avx2, 2 avx512 (WALLBREAKER_CPU_ISA moves it)
+
+// DEFINE(name, target) writes one variant of a loop; WB_VARIANTS makes the plain, AVX2 and AVX-512
+// ones and `name_for_level()`, which picks the one of the kernel level, as the matmuls are picked.
+#if defined(__x86_64__)
+#define WB_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define WB_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
+#else
+#define WB_TARGET_AVX2
+#define WB_TARGET_AVX512
+#endif
+#define WB_VARIANTS(DEFINE, name)                                                           \
+  DEFINE(name##_generic, )                                                                  \
+  DEFINE(name##_avx2, WB_TARGET_AVX2)                                                       \
+  DEFINE(name##_avx512, WB_TARGET_AVX512)                                                   \
+  inline decltype(&name##_generic) name##_for_level() {                                     \
+    const int level = wb_kernel_level();                                                    \
+    return level >= 2 ? name##_avx512 : level >= 1 ? name##_avx2 : name##_generic;          \
+  }
+
 namespace {
 
 // The vector helpers are always inlined: no vector crosses a call, whatever the level (GCC warns,
