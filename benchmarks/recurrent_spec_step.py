@@ -7,7 +7,8 @@ sampler). Issue 34 asks for at most 1.3x at K = 4.
 
     python benchmarks/recurrent_spec_step.py MODEL.gguf [--drafts 4] [--rounds 30]
 
-Writes benchmarks/results/recurrent_spec_step.json.
+Writes benchmarks/results/recurrent_spec_step.json (one entry per model, the latest run kept) and
+redraws recurrent_spec_step.png from all of them.
 """
 from __future__ import annotations
 
@@ -85,6 +86,32 @@ def main() -> None:
     runs = json.loads(args.json.read_text()) if args.json.is_file() else []
     runs = [r for r in runs if r.get("model") != args.model] + [result]
     args.json.write_text(json.dumps(runs, indent=2))
+    plot(runs, args.json.with_suffix(".png"))
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """Each model's plain and verification step times (every round, and the median as a bar)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(1.5 + 2.2 * len(runs), 4))
+    for i, run in enumerate(runs):
+        for j, (kind, color) in enumerate([("plain", "tab:blue"), ("verify", "tab:orange")]):
+            x = i + (j - 0.5) * 0.35
+            ax.bar(x, run[f"{kind}_step_ms_median"], width=0.33, color=color, alpha=0.6,
+                   label=("plain step" if kind == "plain" else f"verifying {run['drafts']} drafts") if i == 0 else None)
+            ax.scatter([x] * len(run[f"{kind}_step_ms"]), run[f"{kind}_step_ms"], s=6, color=color)
+        ax.text(i, max(run["verify_step_ms"]) * 1.03, f"{run['ratio']:.2f}x", ha="center")
+    ax.set_xticks(range(len(runs)), [f"{r['architecture']}\n{Path(r['model']).stem}" for r in runs], fontsize=8)
+    ax.set_ylim(0, 1.15 * max(max(r["verify_step_ms"]) for r in runs))
+    ax.set_ylabel("ms a model step (batch 1)")
+    machine = runs[-1].get("machine", {})
+    ax.set_title(f"speculative verification against a plain step\n{machine.get('cpu', '')}, "
+                 f"{machine.get('kernel_isa', '')}, {machine.get('threads', '')} threads", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
