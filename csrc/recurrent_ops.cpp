@@ -7,11 +7,9 @@
 // writes one (Granite-4.0-H-1B's shape: 55 MB a state). float32 throughout, as the pool is.
 #include <torch/extension.h>
 
-#include <string.h>
+#include <ATen/Parallel.h>
 
 #include "vec_math.h"
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -53,19 +51,18 @@ void check_f32(const torch::Tensor& t, std::initializer_list<int64_t> shape, con
 // element). row_in may be row_out. GCC's vector extension lowers the 16 lanes to what the
 // variant's target has (1 AVX-512 register, 2 AVX2, 4 SSE2); the variants differ only in that
 // (and in fused multiply-adds), so the kernel level picks one (ops.cpp) as it picks the matmul's.
-typedef Lanes16 Lanes;
 constexpr int kLanes = 16;
 
 inline __attribute__((always_inline)) float ssm_row(const float* row_in, float* row_out, const float* b,
                                                     const float* c, float decay, float xdt, int64_t n_state) {
-  Lanes part = {};
+  Lanes16 part = {};
   int64_t n = 0;
   for (; n + kLanes <= n_state; n += kLanes) {
-    Lanes in, bv, cv;
+    Lanes16 in, bv, cv;
     memcpy(&in, row_in + n, sizeof in);
     memcpy(&bv, b + n, sizeof bv);
     memcpy(&cv, c + n, sizeof cv);
-    const Lanes st = in * decay + xdt * bv;
+    const Lanes16 st = in * decay + xdt * bv;
     memcpy(row_out + n, &st, sizeof st);
     part += st * cv;
   }
@@ -262,7 +259,7 @@ torch::Tensor conv_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst
   check_pool(pool.unsqueeze(-1), src, dst, batch, steps, "conv_step");
   check_f32(weight, {K, C}, "weight");
   if (bias) check_f32(*bias, {C}, "bias");
-  auto out = torch::empty({batch, steps, C}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = torch::empty({batch, steps, C}, x.options());
   float* pool_p = pool.data_ptr<float>();
   const float* x_p = x.data_ptr<float>();
   const float *w_p = weight.data_ptr<float>(), *b_p = bias ? bias->data_ptr<float>() : nullptr;
