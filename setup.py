@@ -1,9 +1,9 @@
 """Builds wallbreaker's C++ extension, `wallbreaker._C`: quantized matmul kernels over GGUF blocks,
 and paged attention.
 
-Four torch-facing files (ops.cpp, attention_ops.cpp, fused_ops.cpp, recurrent_ops.cpp; default flags), one file
-per kernel level and the dense path's decoding (dequant_avx512.cpp); the SIMD files set their
-instruction set with `#pragma GCC target` and include no torch header, so one build serves
+Five torch-facing files (ops.cpp, attention_ops.cpp, fused_ops.cpp, recurrent_ops.cpp,
+decoder_plan.cpp; default flags), one file per kernel level and the dense path's decoding
+(dequant_avx512.cpp); the SIMD files set their instruction set with `#pragma GCC target` and include no torch header, so one build serves
 every x86-64 CPU and the level is chosen at run time (csrc/ops.cpp, docs/kernels.md).
 """
 import os
@@ -20,7 +20,7 @@ setup(
             ["csrc/ops.cpp", "csrc/kernels_generic.cpp", "csrc/kernels_avx2.cpp", "csrc/kernels_avx512.cpp",
              "csrc/dequant_avx512.cpp",
              "csrc/attention_ops.cpp", "csrc/attention_generic.cpp", "csrc/attention_avx2.cpp",
-             "csrc/fused_ops.cpp", "csrc/recurrent_ops.cpp"],
+             "csrc/fused_ops.cpp", "csrc/recurrent_ops.cpp", "csrc/decoder_plan.cpp"],
             # -fopenmp: at::parallel_for is a header template over OpenMP pragmas, serial without it
             # (the process's one libgomp is torch's own, found by its soname)
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized"],

@@ -316,7 +316,11 @@ torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::
   return y.to(torch::kFloat);
 }
 
+// decoder_plan.cpp
+void bind_decoder_plan(py::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decoder_plan(m);
   m.def("qmatmul", &qmatmul, "y = x @ concat(W_i)^T over GGUF blocks", py::arg("x"), py::arg("weights"),
         py::arg("qtypes"));
   m.def("qmatmul_dense", &qmatmul_dense, "qmatmul by bfloat16 tiles of decoded weights", py::arg("x"),

@@ -7,13 +7,17 @@ Qwen3-MoE (moe.py) replace the MLP by a mixture of experts.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from .. import _C
+from .. import kernels as qk
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata, LayerKV, paged_attention
 from ..layers.direct import DirectModule
+from ..layers.linear import QuantLinear
 from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM, rms_norm
 from .source import WeightSource
@@ -105,4 +109,46 @@ def feed_forward(cfg: ModelConfig, layer: int, src: WeightSource) -> nn.Module:
 
 
 class LlamaCausalLM(CausalLM):
+    """On the `auto` path, steps of a few tokens per sequence (decode, speculative verification) run
+    the layer stack from C++ (`_C.DecoderPlan`, csrc/decoder_plan.cpp): the same ops as the layers'
+    `forward`, bit-identical, without Python between them. `WALLBREAKER_DECODER_PLAN=0` turns it off."""
+
     layer_class = DecoderLayer
+
+    def __init__(self, cfg: ModelConfig, src: WeightSource):
+        super().__init__(cfg, src)
+        self.use_decoder_plan = os.environ.get("WALLBREAKER_DECODER_PLAN", "1") != "0" and _plannable(self.layers)
+        self._plan: _C.DecoderPlan | None = None
+        self._plan_kv: list[LayerKV] = []  # the pages the plan holds: a new binding rebuilds it
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        plan = self._decoder_plan(meta)
+        if plan is None:
+            return super().forward(input_ids, meta)
+        cos, sin = meta.rotary(self.layers[0].attn.rope)
+        h, delta = plan.run(self.embed_tokens(input_ids), None, cos, sin, meta.slot_mapping, meta.block_tables,
+                            meta.query_start, meta.context_lens, meta.block_size)
+        return self.norm.add_and_norm(h, delta)
+
+    def _decoder_plan(self, meta: AttentionMetadata) -> _C.DecoderPlan | None:
+        """The plan, where this step can take it: every token to the paged kernel, and too few rows
+        for the dense path."""
+        rows = meta.slot_mapping.shape[0]
+        if (not self.use_decoder_plan or meta.prefills or meta.num_paged_tokens != rows
+                or (rows >= qk.DENSE_MIN_ROWS and qk.dense_path())):
+            return None
+        kv = [layer.attn.kv for layer in self.layers]
+        if any(pages is None for pages in kv):
+            return None
+        if self._plan is None or any(a is not b for a, b in zip(kv, self._plan_kv)):
+            self._plan, self._plan_kv = _C.DecoderPlan(list(self.layers)), kv
+        return self._plan
+
+
+def _plannable(layers: nn.ModuleList) -> bool:
+    """Whether `_C.DecoderPlan` runs these layers as their `forward` would: plain Llama blocks (no
+    experts), every projection quantized in one piece (no tensor-parallel split) and one RoPE."""
+    return all(type(layer) is DecoderLayer and type(layer.mlp) is MLP and type(layer.attn) is Attention
+               and all(type(m) is QuantLinear for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up,
+                                                        layer.mlp.down))
+               and layer.attn.rope.key == layers[0].attn.rope.key for layer in layers)

@@ -1,0 +1,64 @@
+"""`_C.DecoderPlan` (csrc/decoder_plan.cpp): the Llama-family layer stack run from C++ on steps of a
+few tokens per sequence must give exactly what the layers' Python `forward` gives, token for token
+and logit for logit, on every variant it takes (biases, q/k norms, a sliding window, int8 pages,
+several sequences, speculative verification), and must not take a model it cannot run."""
+from __future__ import annotations
+
+import pytest
+
+from wallbreaker import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was", "def main(): return x + y * 2 " * 3]
+
+
+def _run(llm: LLM, planned: bool, **params) -> list:
+    model = llm.engine.runner.model
+    model.use_decoder_plan = planned
+    model._plan = None
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, **params)
+    outs = llm.generate(PROMPTS, sp)
+    assert (model._plan is not None) == planned  # the plan ran exactly when asked
+    return [(c.token_ids, c.logprobs, c.top_logprobs) for out in outs for c in out.outputs]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_decoder_plan_is_bit_identical_to_the_layers(tiny_of, kind):
+    llm = LLM(str(tiny_of(kind).gguf_path), enable_prefix_caching=False)
+    assert llm.engine.runner.model.use_decoder_plan
+    assert _run(llm, True) == _run(llm, False)
+
+
+def test_decoder_plan_with_int8_pages_and_speculation(tiny_llama):
+    llm = LLM(str(tiny_llama.gguf_path), kv_cache_dtype="int8", speculative_method="ngram",
+              num_speculative_tokens=3, enable_prefix_caching=False)
+    assert _run(llm, True) == _run(llm, False)
+
+
+def test_decoder_plan_with_sampled_forks(tiny_qwen2):
+    llm = LLM(str(tiny_qwen2.gguf_path), enable_prefix_caching=False)
+    planned = _run(llm, True, n=3, seed=7)
+    assert planned == _run(llm, False, n=3, seed=7)
+
+
+def test_decoder_plan_follows_a_rebound_kv_pool(tiny_llama):
+    llm = LLM(str(tiny_llama.gguf_path), enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    first = _run(llm, True)
+    old = model._plan
+    for layer in model.layers:  # what a new pool's binding does: new LayerKV objects
+        layer.attn.kv = type(layer.attn.kv)(*layer.attn.kv)
+    model._plan = old
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=3))
+    assert model._plan is not old
+    assert _run(llm, True) == first
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gemma3"])
+def test_decoder_plan_is_not_taken_where_it_cannot_run(tiny_of, kind):
+    llm = LLM(str(tiny_of(kind).gguf_path))
+    assert not getattr(llm.engine.runner.model, "use_decoder_plan", False)
+
+
+def test_decoder_plan_is_not_taken_on_the_float_path(tiny_llama):
+    llm = LLM(str(tiny_llama.gguf_path), dtype="float32")
+    assert not llm.engine.runner.model.use_decoder_plan
