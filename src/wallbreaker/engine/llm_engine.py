@@ -351,8 +351,10 @@ class LLMEngine:
 
     def _sample(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor, output: StepOutput) -> None:
         seqs = [s for s, _ in rows]
-        index = torch.tensor([r for _, r in rows])
-        out = sample(logits[index], [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+        picked = [r for _, r in rows]
+        if picked != list(range(logits.shape[0])):  # a copy of the rows only where they differ
+            logits = logits[torch.tensor(picked)]
+        out = sample(logits, [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
                      [s.output_token_ids for s in seqs], [s.generator for s in seqs], self.structured.step_mask(seqs),
                      [s.dry_breaker_ids for s in seqs], [s.mirostat_mu for s in seqs])
         tokens = out.token_ids.tolist()
