@@ -15,6 +15,8 @@
 // ops.cpp, attention_ops.cpp, fused_ops.cpp
 torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                       const std::vector<int64_t>& qtypes);
+torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
+                            const std::vector<int64_t>& qtypes, int64_t tile);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
                               const c10::optional<torch::Tensor>& k_offset,
@@ -33,14 +35,21 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
 
 namespace {
 
+// Where a call takes the dense path (layers/linear.py QuantLinear): from `min_rows` rows (0: never),
+// `tile_rows` weight rows decoded at a time.
+struct Dense {
+  int64_t min_rows, tile_rows;
+};
+
 // A quantized linear layer: its segments (fused projections) and their GGML types, and a bias.
 struct Linear {
   std::vector<torch::Tensor> blocks;
   std::vector<int64_t> qtypes;
   c10::optional<torch::Tensor> bias;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    auto y = qmatmul(x, blocks, qtypes);
+  torch::Tensor operator()(const torch::Tensor& x, const Dense& dense) const {
+    auto y = dense.min_rows > 0 && x.size(0) >= dense.min_rows ? qmatmul_dense(x, blocks, qtypes, dense.tile_rows)
+                                                               : qmatmul(x, blocks, qtypes);
     return bias ? y + *bias : y;
   }
 };
@@ -112,21 +121,23 @@ class DecoderPlan {
 
   // h [T, hidden] float32 (added to in place, as the Python path does), delta: the residual the
   // first layer's norm adds (None: h is the embedding). Returns (h, delta) after the last layer.
+  // dense_min_rows: as QuantLinear, calls of that many rows take the dense path (0: none does).
   std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, c10::optional<torch::Tensor> delta,
                                                const torch::Tensor& cos, const torch::Tensor& sin,
                                                const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                                const torch::Tensor& query_start, const torch::Tensor& context_lens,
-                                               int64_t block_size) {
+                                               int64_t block_size, int64_t dense_min_rows, int64_t dense_tile_rows) {
+    const Dense dense{dense_min_rows, dense_tile_rows};
     torch::Tensor d = delta ? *delta : torch::Tensor();
     for (auto& l : layers_) {
       const auto x = d.defined() ? add_rms_norm_(h, d, l.attn_norm, l.attn_eps)
                                  : at::rms_norm(h, {h.size(1)}, l.attn_norm, l.attn_eps);
-      const auto q = rope_write_kv(l.qkv(x), cos, sin, l.k, l.v, slot_mapping, l.heads, l.kv_heads, l.q_norm,
+      const auto q = rope_write_kv(l.qkv(x, dense), cos, sin, l.k, l.v, slot_mapping, l.heads, l.kv_heads, l.q_norm,
                                    l.k_norm, l.qk_eps, l.k_scale, l.v_scale, l.k_offset, l.v_offset);
       const auto a = paged_attention(q, l.k, l.v, l.k_scale, l.v_scale, l.k_offset, l.v_offset, block_tables,
                                      query_start, context_lens, block_size, l.scale, l.window, l.softcap);
-      const auto x2 = add_rms_norm_(h, l.o(a.flatten(1)), l.mlp_norm, l.mlp_eps);
-      d = l.down(gated_act(l.gate_up(x2), l.act));
+      const auto x2 = add_rms_norm_(h, l.o(a.flatten(1), dense), l.mlp_norm, l.mlp_eps);
+      d = l.down(gated_act(l.gate_up(x2, dense), l.act), dense);
     }
     return {h, d};
   }
@@ -144,6 +155,7 @@ void bind_decoder_plan(py::module& m) {
       .def(py::init<const py::list&>(), py::arg("layers"))
       .def("run", &DecoderPlan::run, "(h, delta) through every layer", py::arg("h"), py::arg("delta"),
            py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start"),
-           py::arg("context_lens"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>())
+           py::arg("context_lens"), py::arg("block_size"), py::arg("dense_min_rows"), py::arg("dense_tile_rows"),
+           py::call_guard<py::gil_scoped_release>())
       .def("__len__", &DecoderPlan::size);
 }

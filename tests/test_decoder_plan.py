@@ -11,12 +11,12 @@ from wallbreaker import LLM, SamplingParams
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def main(): return x + y * 2 " * 3]
 
 
-def _run(llm: LLM, planned: bool, **params) -> list:
+def _run(llm: LLM, planned: bool, prompts: list[str] = PROMPTS, **params) -> list:
     model = llm.engine.runner.model
     model.use_decoder_plan = planned
     model._plan = None
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, **params)
-    outs = llm.generate(PROMPTS, sp)
+    outs = llm.generate(prompts, sp)
     assert (model._plan is not None) == planned  # the plan ran exactly when asked
     return [(c.token_ids, c.logprobs, c.top_logprobs) for out in outs for c in out.outputs]
 
@@ -38,6 +38,13 @@ def test_decoder_plan_with_sampled_forks(tiny_qwen2):
     llm = LLM(str(tiny_qwen2.gguf_path), enable_prefix_caching=False)
     planned = _run(llm, True, n=3, seed=7)
     assert planned == _run(llm, False, n=3, seed=7)
+
+
+def test_decoder_plan_on_a_batch_past_the_dense_threshold(tiny_llama):
+    """Steps of 40 rows: where the CPU has the dense path (AMX), its calls go there in both."""
+    llm = LLM(str(tiny_llama.gguf_path), enable_prefix_caching=False, max_num_seqs=64)
+    prompts = [f"{p} {i}" for i in range(14) for p in PROMPTS][:40]
+    assert _run(llm, True, prompts) == _run(llm, False, prompts)
 
 
 def test_decoder_plan_follows_a_rebound_kv_pool(tiny_llama):

@@ -126,16 +126,14 @@ class LlamaCausalLM(CausalLM):
         if plan is None:
             return super().forward(input_ids, meta)
         cos, sin = meta.rotary(self.layers[0].attn.rope)
+        dense_min_rows = qk.DENSE_MIN_ROWS if qk.dense_path() else 0
         h, delta = plan.run(self.embed_tokens(input_ids), None, cos, sin, meta.slot_mapping, meta.block_tables,
-                            meta.query_start, meta.context_lens, meta.block_size)
+                            meta.query_start, meta.context_lens, meta.block_size, dense_min_rows, qk.DENSE_TILE_ROWS)
         return self.norm.add_and_norm(h, delta)
 
     def _decoder_plan(self, meta: AttentionMetadata) -> _C.DecoderPlan | None:
-        """The plan, where this step can take it: every token to the paged kernel, and too few rows
-        for the dense path."""
-        rows = meta.slot_mapping.shape[0]
-        if (not self.use_decoder_plan or meta.prefills or meta.num_paged_tokens != rows
-                or (rows >= qk.DENSE_MIN_ROWS and qk.dense_path())):
+        """The plan, where this step can take it: every token goes to the paged kernel."""
+        if not self.use_decoder_plan or meta.prefills or meta.num_paged_tokens != meta.slot_mapping.shape[0]:
             return None
         kv = [layer.attn.kv for layer in self.layers]
         if any(pages is None for pages in kv):
