@@ -1,12 +1,12 @@
-// A Llama-family decoder stack run from C++ for steps of a few tokens per sequence (decode,
-// speculative verification): the same ops as models/llama.py's DecoderLayer, in the same order,
-// with no Python between them.
+// A Llama-family or Gemma decoder stack run from C++ for steps of a few tokens per sequence
+// (decode, speculative verification): the same ops as models/llama.py's DecoderLayer and
+// models/gemma.py's GemmaDecoderLayer, in the same order, with no Python between them.
 //
 // Why: a SmolLM2 decode step makes some 240 calls from Python into these ops, ~1 ms of a ~5 ms
-// step at 2 threads on a Xeon. The plan holds each layer's tensors (built once, models/llama.py
-// `DecoderPlan`), and a step passes only its own metadata; the GIL is released for the whole
-// stack, so a server's threads run meanwhile. Bit-identical to the Python path (the same kernels on
-// the same inputs): tests/test_decoder_plan.py.
+// step at 2 threads on a Xeon. The plan holds each layer's tensors (models/decoder_plan.py builds
+// it), a step passes only its own metadata, and the GIL is released for the whole stack, so a
+// server's threads run meanwhile. Bit-identical to the Python path (the same kernels on the same
+// inputs): tests/test_decoder_plan.py.
 #include <torch/extension.h>
 
 #include <string>
@@ -57,9 +57,11 @@ struct Linear {
 struct Layer {
   torch::Tensor attn_norm, mlp_norm;
   double attn_eps, mlp_eps;
+  c10::optional<torch::Tensor> post_attn_norm, post_mlp_norm;  // Gemma's sandwich norms
+  double post_attn_eps = 0, post_mlp_eps = 0;
   Linear qkv, o, gate_up, down;
   c10::optional<torch::Tensor> q_norm, k_norm;
-  double qk_eps;
+  double qk_eps = 0;
   int64_t heads, kv_heads;
   torch::Tensor k, v;
   c10::optional<torch::Tensor> k_scale, v_scale, k_offset, v_offset;
@@ -67,54 +69,59 @@ struct Layer {
   int64_t window;
   double softcap;
   std::string act;
+  size_t rope;
 };
 
-Linear linear_of(const py::object& module) {
-  Linear l;
-  l.blocks = module.attr("blocks").cast<std::vector<torch::Tensor>>();
-  l.qtypes = module.attr("qtypes").cast<std::vector<int64_t>>();
-  l.bias = module.attr("_bias").cast<c10::optional<torch::Tensor>>();
-  return l;
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  return at::rms_norm(x, {x.size(1)}, w, eps);
 }
 
-c10::optional<torch::Tensor> norm_weight(const py::object& norm) {
-  if (norm.is_none()) return c10::nullopt;
-  return norm.attr("weight").cast<torch::Tensor>();
+Linear linear_of(const py::handle& spec) {
+  const auto t = spec.cast<py::tuple>();  // (blocks, qtypes, bias)
+  return {t[0].cast<std::vector<torch::Tensor>>(), t[1].cast<std::vector<int64_t>>(),
+          t[2].cast<c10::optional<torch::Tensor>>()};
+}
+
+// (weight, eps) or None
+c10::optional<torch::Tensor> norm_of(const py::handle& spec, double& eps) {
+  if (spec.is_none()) return c10::nullopt;
+  const auto t = spec.cast<py::tuple>();
+  eps = t[1].cast<double>();
+  return t[0].cast<torch::Tensor>();
 }
 
 class DecoderPlan {
  public:
-  // `layers`: models/llama.py DecoderLayer modules whose linears are QuantLinear and whose
-  // attention has its KV pages bound (the caller checks both).
-  explicit DecoderPlan(const py::list& layers) {
-    for (const auto& obj : layers) {
-      const py::object layer = py::reinterpret_borrow<py::object>(obj);
-      const py::object attn = layer.attr("attn"), mlp = layer.attr("mlp"), kv = attn.attr("kv");
+  // `specs`: one dict a layer, as models/llama.py `block_spec` writes it, plus "kv" (the layer's
+  // LayerKV) and "rope" (the index of its cos/sin pair among those `run` receives).
+  explicit DecoderPlan(const py::list& specs) {
+    for (const auto& item : specs) {
+      const auto s = item.cast<py::dict>();
       Layer l;
-      l.attn_norm = layer.attr("attn_norm").attr("weight").cast<torch::Tensor>();
-      l.attn_eps = layer.attr("attn_norm").attr("eps").cast<double>();
-      l.mlp_norm = layer.attr("mlp_norm").attr("weight").cast<torch::Tensor>();
-      l.mlp_eps = layer.attr("mlp_norm").attr("eps").cast<double>();
-      l.qkv = linear_of(attn.attr("qkv"));
-      l.o = linear_of(attn.attr("o"));
-      l.gate_up = linear_of(mlp.attr("gate_up"));
-      l.down = linear_of(mlp.attr("down"));
-      l.q_norm = norm_weight(attn.attr("q_norm"));
-      l.k_norm = norm_weight(attn.attr("k_norm"));
-      l.qk_eps = attn.attr("q_norm").is_none() ? 0.0 : attn.attr("q_norm").attr("eps").cast<double>();
-      l.heads = attn.attr("num_heads").cast<int64_t>();
-      l.kv_heads = attn.attr("num_kv_heads").cast<int64_t>();
-      l.k = kv.attr("k").cast<torch::Tensor>();
-      l.v = kv.attr("v").cast<torch::Tensor>();
-      l.k_scale = kv.attr("k_scale").cast<c10::optional<torch::Tensor>>();
-      l.v_scale = kv.attr("v_scale").cast<c10::optional<torch::Tensor>>();
-      l.k_offset = kv.attr("k_offset").cast<c10::optional<torch::Tensor>>();
-      l.v_offset = kv.attr("v_offset").cast<c10::optional<torch::Tensor>>();
-      l.scale = attn.attr("scale").cast<double>();
-      const py::object window = attn.attr("sliding_window"), softcap = attn.attr("softcap");
-      l.window = window.is_none() ? 0 : window.cast<int64_t>();
-      l.softcap = softcap.is_none() ? 0.0 : softcap.cast<double>();
-      l.act = mlp.attr("act").cast<std::string>();
+      l.attn_norm = *norm_of(s["attn_norm"], l.attn_eps);
+      l.mlp_norm = *norm_of(s["mlp_norm"], l.mlp_eps);
+      l.post_attn_norm = norm_of(s["post_attn_norm"], l.post_attn_eps);
+      l.post_mlp_norm = norm_of(s["post_mlp_norm"], l.post_mlp_eps);
+      l.qkv = linear_of(s["qkv"]);
+      l.o = linear_of(s["o"]);
+      l.gate_up = linear_of(s["gate_up"]);
+      l.down = linear_of(s["down"]);
+      l.q_norm = norm_of(s["q_norm"], l.qk_eps);
+      l.k_norm = norm_of(s["k_norm"], l.qk_eps);
+      l.heads = s["heads"].cast<int64_t>();
+      l.kv_heads = s["kv_heads"].cast<int64_t>();
+      const auto kv = s["kv"].cast<py::tuple>();  // k, v, k_scale, v_scale, k_offset, v_offset
+      l.k = kv[0].cast<torch::Tensor>();
+      l.v = kv[1].cast<torch::Tensor>();
+      l.k_scale = kv[2].cast<c10::optional<torch::Tensor>>();
+      l.v_scale = kv[3].cast<c10::optional<torch::Tensor>>();
+      l.k_offset = kv[4].cast<c10::optional<torch::Tensor>>();
+      l.v_offset = kv[5].cast<c10::optional<torch::Tensor>>();
+      l.scale = s["scale"].cast<double>();
+      l.window = s["window"].cast<int64_t>();
+      l.softcap = s["softcap"].cast<double>();
+      l.act = s["act"].cast<std::string>();
+      l.rope = s["rope"].cast<size_t>();
       layers_.push_back(std::move(l));
     }
   }
@@ -123,21 +130,24 @@ class DecoderPlan {
   // first layer's norm adds (None: h is the embedding). Returns (h, delta) after the last layer.
   // dense_min_rows: as QuantLinear, calls of that many rows take the dense path (0: none does).
   std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, c10::optional<torch::Tensor> delta,
-                                               const torch::Tensor& cos, const torch::Tensor& sin,
+                                               const std::vector<torch::Tensor>& cos,
+                                               const std::vector<torch::Tensor>& sin,
                                                const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                                const torch::Tensor& query_start, const torch::Tensor& context_lens,
                                                int64_t block_size, int64_t dense_min_rows, int64_t dense_tile_rows) {
     const Dense dense{dense_min_rows, dense_tile_rows};
     torch::Tensor d = delta ? *delta : torch::Tensor();
     for (auto& l : layers_) {
-      const auto x = d.defined() ? add_rms_norm_(h, d, l.attn_norm, l.attn_eps)
-                                 : at::rms_norm(h, {h.size(1)}, l.attn_norm, l.attn_eps);
-      const auto q = rope_write_kv(l.qkv(x, dense), cos, sin, l.k, l.v, slot_mapping, l.heads, l.kv_heads, l.q_norm,
+      const auto x = d.defined() ? add_rms_norm_(h, d, l.attn_norm, l.attn_eps) : rms_norm(h, l.attn_norm, l.attn_eps);
+      const auto q = rope_write_kv(l.qkv(x, dense), cos.at(l.rope), sin.at(l.rope), l.k, l.v, slot_mapping, l.heads, l.kv_heads, l.q_norm,
                                    l.k_norm, l.qk_eps, l.k_scale, l.v_scale, l.k_offset, l.v_offset);
       const auto a = paged_attention(q, l.k, l.v, l.k_scale, l.v_scale, l.k_offset, l.v_offset, block_tables,
                                      query_start, context_lens, block_size, l.scale, l.window, l.softcap);
-      const auto x2 = add_rms_norm_(h, l.o(a.flatten(1), dense), l.mlp_norm, l.mlp_eps);
+      auto attn = l.o(a.flatten(1), dense);
+      if (l.post_attn_norm) attn = rms_norm(attn, *l.post_attn_norm, l.post_attn_eps);
+      const auto x2 = add_rms_norm_(h, attn, l.mlp_norm, l.mlp_eps);
       d = l.down(gated_act(l.gate_up(x2, dense), l.act), dense);
+      if (l.post_mlp_norm) d = rms_norm(d, *l.post_mlp_norm, l.post_mlp_eps);
     }
     return {h, d};
   }
@@ -152,7 +162,7 @@ class DecoderPlan {
 
 void bind_decoder_plan(py::module& m) {
   py::class_<DecoderPlan>(m, "DecoderPlan", "a Llama-family layer stack run from C++ (csrc/decoder_plan.cpp)")
-      .def(py::init<const py::list&>(), py::arg("layers"))
+      .def(py::init<const py::list&>(), py::arg("specs"))
       .def("run", &DecoderPlan::run, "(h, delta) through every layer", py::arg("h"), py::arg("delta"),
            py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start"),
            py::arg("context_lens"), py::arg("block_size"), py::arg("dense_min_rows"), py::arg("dense_tile_rows"),

@@ -12,19 +12,19 @@ PROMPTS = ["The quick brown fox", "Once upon a time there was", "def main(): ret
 
 
 def _run(llm: LLM, planned: bool, prompts: list[str] = PROMPTS, **params) -> list:
-    model = llm.engine.runner.model
-    model.use_decoder_plan = planned
-    model._plan = None
+    plan = llm.engine.runner.model.decoder_plan
+    plan.enabled = planned
+    plan.reset()
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, **params)
     outs = llm.generate(prompts, sp)
-    assert (model._plan is not None) == planned  # the plan ran exactly when asked
+    assert (plan._plan is not None) == planned  # the plan ran exactly when asked
     return [(c.token_ids, c.logprobs, c.top_logprobs) for out in outs for c in out.outputs]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
 def test_decoder_plan_is_bit_identical_to_the_layers(tiny_of, kind):
     llm = LLM(str(tiny_of(kind).gguf_path), enable_prefix_caching=False)
-    assert llm.engine.runner.model.use_decoder_plan
+    assert llm.engine.runner.model.decoder_plan.enabled
     assert _run(llm, True) == _run(llm, False)
 
 
@@ -51,21 +51,25 @@ def test_decoder_plan_follows_a_rebound_kv_pool(tiny_llama):
     llm = LLM(str(tiny_llama.gguf_path), enable_prefix_caching=False)
     model = llm.engine.runner.model
     first = _run(llm, True)
-    old = model._plan
+    old = model.decoder_plan._plan
     for layer in model.layers:  # what a new pool's binding does: new LayerKV objects
         layer.attn.kv = type(layer.attn.kv)(*layer.attn.kv)
-    model._plan = old
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=3))
-    assert model._plan is not old
+    assert model.decoder_plan._plan is not old
     assert _run(llm, True) == first
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gemma3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe"])
 def test_decoder_plan_is_not_taken_where_it_cannot_run(tiny_of, kind):
     llm = LLM(str(tiny_of(kind).gguf_path))
-    assert not getattr(llm.engine.runner.model, "use_decoder_plan", False)
+    assert not llm.engine.runner.model.decoder_plan.enabled
 
 
 def test_decoder_plan_is_not_taken_on_the_float_path(tiny_llama):
     llm = LLM(str(tiny_llama.gguf_path), dtype="float32")
-    assert not llm.engine.runner.model.use_decoder_plan
+    assert not llm.engine.runner.model.decoder_plan.enabled
+
+
+def test_decoder_plan_is_not_taken_by_a_recurrent_model(recurrent_folder):
+    llm = LLM(str(recurrent_folder("lfm2")))
+    assert not llm.engine.runner.model.decoder_plan.enabled

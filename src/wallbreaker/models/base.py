@@ -9,6 +9,7 @@ from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
 from ..layers.norm import RMSNorm
 from ..layers.recurrent import RecurrentMixer
+from .decoder_plan import DecoderStackPlan
 from .source import WeightSource
 
 
@@ -38,6 +39,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i, src) for i in range(cfg.num_layers))
         self.norm = rms_norm(src, self.final_norm, cfg.rms_norm_eps)
         self.final_softcap = cfg.final_logit_softcap
+        self.decoder_plan = DecoderStackPlan(self.layers)  # the C++ stack for decode steps, where it runs
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] float32: what the first layer receives (the residual stream is float32
@@ -49,6 +51,9 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        planned = self.decoder_plan.run(h, meta)
+        if planned is not None:
+            return self.norm.add_and_norm(*planned)
         delta = None
         for layer in self.layers:
             h, delta = layer(h, meta, delta)

@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
 from ..layers.direct import DirectModule
 from .base import CausalLM, rms_norm
-from .llama import Attention, feed_forward
+from .llama import Attention, block_spec, feed_forward
 from .source import WeightSource
 
 
@@ -29,6 +29,9 @@ class GemmaDecoderLayer(DirectModule):
                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.post_attn_norm(self.attn(self.attn_norm.add_and_norm(h, delta), meta))
         return h, self.post_mlp_norm(self.mlp(self.mlp_norm.add_and_norm(h, attn)))
+
+    def plan_spec(self) -> dict | None:
+        return block_spec(self.attn_norm, self.attn, self.mlp_norm, self.mlp, self.post_attn_norm, self.post_mlp_norm)
 
 
 class GemmaCausalLM(CausalLM):

@@ -7,13 +7,10 @@ Qwen3-MoE (moe.py) replace the MLP by a mixture of experts.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from .. import _C
-from .. import kernels as qk
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata, LayerKV, paged_attention
 from ..layers.direct import DirectModule
@@ -99,6 +96,9 @@ class DecoderLayer(DirectModule):
         attn = self.attn(self.attn_norm.add_and_norm(h, delta), meta)
         return h, self.mlp(self.mlp_norm.add_and_norm(h, attn))
 
+    def plan_spec(self) -> dict | None:
+        return block_spec(self.attn_norm, self.attn, self.mlp_norm, self.mlp)
+
 
 def feed_forward(cfg: ModelConfig, layer: int, src: WeightSource) -> nn.Module:
     """The layer's MLP, or its mixture of experts."""
@@ -109,44 +109,24 @@ def feed_forward(cfg: ModelConfig, layer: int, src: WeightSource) -> nn.Module:
 
 
 class LlamaCausalLM(CausalLM):
-    """On the `auto` path, steps of a few tokens per sequence (decode, speculative verification) run
-    the layer stack from C++ (`_C.DecoderPlan`, csrc/decoder_plan.cpp): the same ops as the layers'
-    `forward`, bit-identical, without Python between them. `WALLBREAKER_DECODER_PLAN=0` turns it off."""
-
     layer_class = DecoderLayer
 
-    def __init__(self, cfg: ModelConfig, src: WeightSource):
-        super().__init__(cfg, src)
-        self.use_decoder_plan = os.environ.get("WALLBREAKER_DECODER_PLAN", "1") != "0" and _plannable(self.layers)
-        self._plan: _C.DecoderPlan | None = None
-        self._plan_kv: list[LayerKV] = []  # the pages the plan holds: a new binding rebuilds it
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        plan = self._decoder_plan(meta)
-        if plan is None:
-            return super().forward(input_ids, meta)
-        cos, sin = meta.rotary(self.layers[0].attn.rope)
-        dense_min_rows = qk.DENSE_MIN_ROWS if qk.dense_path() else 0
-        h, delta = plan.run(self.embed_tokens(input_ids), None, cos, sin, meta.slot_mapping, meta.block_tables,
-                            meta.query_start, meta.context_lens, meta.block_size, dense_min_rows, qk.DENSE_TILE_ROWS)
-        return self.norm.add_and_norm(h, delta)
+def block_spec(attn_norm: nn.Module, attn: nn.Module, mlp_norm: nn.Module, mlp: nn.Module,
+               post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None) -> dict | None:
+    """What `_C.DecoderPlan` needs to run a pre-norm block (with Gemma's norms after attention and
+    MLP where given) as its `forward` does (models/decoder_plan.py), or None where it cannot: experts,
+    projections that are float or split over tensor-parallel ranks."""
+    if type(attn) is not Attention or type(mlp) is not MLP:
+        return None
+    linears = {"qkv": attn.qkv, "o": attn.o, "gate_up": mlp.gate_up, "down": mlp.down}
+    if any(type(m) is not QuantLinear for m in linears.values()):
+        return None
 
-    def _decoder_plan(self, meta: AttentionMetadata) -> _C.DecoderPlan | None:
-        """The plan, where this step can take it: every token goes to the paged kernel."""
-        if not self.use_decoder_plan or meta.prefills or meta.num_paged_tokens != meta.slot_mapping.shape[0]:
-            return None
-        kv = [layer.attn.kv for layer in self.layers]
-        if any(pages is None for pages in kv):
-            return None
-        if self._plan is None or any(a is not b for a, b in zip(kv, self._plan_kv)):
-            self._plan, self._plan_kv = _C.DecoderPlan(list(self.layers)), kv
-        return self._plan
-
-
-def _plannable(layers: nn.ModuleList) -> bool:
-    """Whether `_C.DecoderPlan` runs these layers as their `forward` would: plain Llama blocks (no
-    experts), every projection quantized in one piece (no tensor-parallel split) and one RoPE."""
-    return all(type(layer) is DecoderLayer and type(layer.mlp) is MLP and type(layer.attn) is Attention
-               and all(type(m) is QuantLinear for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up,
-                                                        layer.mlp.down))
-               and layer.attn.rope.key == layers[0].attn.rope.key for layer in layers)
+    def norm(n: nn.Module | None) -> tuple[torch.Tensor, float] | None:
+        return None if n is None else (n.weight, n.eps)
+    return {**{name: (m.blocks, m.qtypes, m._bias) for name, m in linears.items()},
+            "attn_norm": norm(attn_norm), "mlp_norm": norm(mlp_norm), "post_attn_norm": norm(post_attn_norm),
+            "post_mlp_norm": norm(post_mlp_norm), "q_norm": norm(attn.q_norm), "k_norm": norm(attn.k_norm),
+            "heads": attn.num_heads, "kv_heads": attn.num_kv_heads, "scale": attn.scale,
+            "window": attn.sliding_window or 0, "softcap": attn.softcap or 0.0, "act": mlp.act}
