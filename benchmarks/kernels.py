@@ -34,7 +34,7 @@ from wallbreaker.formats.dequant import block_info
 from wallbreaker.measure.machine import measure_bandwidth, timed
 
 T = gguf.GGMLQuantizationType
-FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+FORMATS = [t.name for t in sorted(kernels.SUPPORTED_TYPES)]  # the kernels' format table
 SHAPES = [(576, 1536), (1536, 1536), (8960, 1536), (1536, 8960), (49152, 576)]  # out x in
 ROWS = [1, 4, 16]
 K_F16 = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}

@@ -134,9 +134,11 @@ void quantize256(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K,
 // ---- 32-blocks --------------------------------------------------------------------------------
 // Row layout: see qblocks.inc. All codes unsigned for vpdpbusd: Q8_0's signed codes are shifted by
 // 128 (its offset c = -128 d). Offset and min terms: sum_b c_b s_b, one fmadd per 16 blocks.
-template <int QT> constexpr int kQB = QT == Q8_0 ? 32 : (QT == Q5_0 || QT == Q5_1) ? 20 : 16;
-template <int QT> constexpr float kOffset = QT == Q4_0 ? -8.0f : QT == Q5_0 ? -16.0f : QT == Q8_0 ? -128.0f : 1.0f;
-template <int QT> constexpr bool kHasMin = QT == Q4_1 || QT == Q5_1;
+template <int QT> constexpr int kQB = format_facts(QT).block_bytes - 2 * format_facts(QT).halves;  // codes
+template <int QT> constexpr float kOffset = QT == Q8_0                        ? -128.0f  // codes shifted to unsigned
+                                            : format_facts(QT).halves == 2 ? 1.0f
+                                                                           : (float)format_facts(QT).offset;
+template <int QT> constexpr bool kHasMin = format_facts(QT).halves == 2;
 
 // The codes of one group (G blocks, G = 4 but in a row's last group) as two registers: lo (each
 // block's values 0..15 in 128-bit lane i) and hi (values 16..31), zero past G.
@@ -253,7 +255,7 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
 }
 
 // ---- 256-blocks -------------------------------------------------------------------------------
-template <int QT> constexpr int kBB = QT == Q2_K ? 84 : QT == Q3_K ? 110 : QT == Q4_K ? 144 : QT == Q5_K ? 176 : 210;
+template <int QT> constexpr int kBB = format_facts(QT).block_bytes;
 
 // 16 bytes at `off` of up to 4 rows, row j in 128-bit lane j (lanes past NT zero).
 template <int NT>
@@ -525,9 +527,12 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
 #define WB_NTB 2
 #endif
 constexpr int MT_B32 = WB_MTB, NT_B32 = WB_NTB, MT_K = WB_MTK, NT_K = WB_NTK, NT_M1 = 4;
+// the formats this level has tiles for; any other of the table runs on the generic level
+template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 ||
+                                        QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;
 #include "tile_driver.inc"
 
-const Kernels kTable = {quantize32, quantize256, matmul};
+const Kernels kTable = {quantize32, quantize256, matmul, has};
 
 }  // namespace
 }  // namespace wb

@@ -124,7 +124,9 @@ bool matmul(int qt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
   return true;
 }
 
-const Kernels kTable = {quantize32, quantize256, matmul};
+bool has(int qt) { return block_size_of(qt) != 0; }  // every format of the table
+
+const Kernels kTable = {quantize32, quantize256, matmul, has};
 
 }  // namespace
 }  // namespace wb

@@ -76,17 +76,18 @@ const wb::Kernels* kernels() {
 
 int block_size(int64_t qt) {
   switch (qt) {
-    case wb::Q4_0: case wb::Q4_1: case wb::Q5_0: case wb::Q5_1: case wb::Q8_0: return 32;
-    case wb::Q2_K: case wb::Q3_K: case wb::Q4_K: case wb::Q5_K: case wb::Q6_K: return 256;
+#define WB_CASE(name, q, bs, ...) case wb::name: return bs;
+    WB_FORMATS(WB_CASE)
+#undef WB_CASE
     default: return 0;
   }
 }
 
 int block_bytes(int64_t qt) {
   switch (qt) {
-    case wb::Q4_0: return 18; case wb::Q4_1: return 20; case wb::Q5_0: return 22; case wb::Q5_1: return 24;
-    case wb::Q8_0: return 34; case wb::Q2_K: return 84; case wb::Q3_K: return 110; case wb::Q4_K: return 144;
-    case wb::Q5_K: return 176; case wb::Q6_K: return 210;
+#define WB_CASE(name, q, bs, bb, ...) case wb::name: return bb;
+    WB_FORMATS(WB_CASE)
+#undef WB_CASE
     default: return 0;
   }
 }
@@ -102,6 +103,14 @@ struct Workspace {
   }
 };
 thread_local Workspace t_work;
+
+// Formats sent to the generic level's kernel whatever the level (`_C.set_generic_formats`): how
+// tests and benchmarks see the fallback that a format without tiles at a level takes.
+std::atomic<uint64_t> g_generic_formats{0};
+
+bool level_has(const wb::Kernels* k, int64_t qt) {
+  return k->has((int)qt) && !(qt < 64 && (g_generic_formats.load() >> qt) & 1);
+}
 
 // Below this (weight bytes x rows) one thread is faster: the fork and join of a second one costs
 // about what it saves. Q4_1, batch 1, from DRAM, min of 9 passes (Zen 4/5, 2 threads): 202 KB 8.0 us
@@ -153,8 +162,8 @@ void set_isa(const std::string& name) {
 
 // The segments' checks (each W_i [N_i, row_bytes_i] uint8 of a known qtype, rows of K values);
 // returns sum N_i and which activation block sizes they need.
-int64_t check_segments(const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes, int64_t K,
-                       bool& need32, bool& need256) {
+// Checks the segments (types, shapes, row bytes); returns their rows in all.
+int64_t check_segments(const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& qtypes, int64_t K) {
   int64_t N = 0;
   for (size_t i = 0; i < weights.size(); i++) {
     const auto& w = weights[i];
@@ -164,7 +173,6 @@ int64_t check_segments(const std::vector<torch::Tensor>& weights, const std::vec
                 "qmatmul: weight ", i, " must be a contiguous 2-d uint8 CPU tensor");
     TORCH_CHECK(K % bs == 0 && w.size(1) == K / bs * block_bytes(qtypes[i]), "qmatmul: weight ", i, " has ",
                 w.size(1), " bytes a row, expected ", K / bs * block_bytes(qtypes[i]), " for K=", K);
-    (bs == 32 ? need32 : need256) = true;
     N += w.size(0);
   }
   return N;
@@ -179,14 +187,19 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
   auto x = x_in.scalar_type() == torch::kFloat ? x_in : x_in.to(torch::kFloat);
   if (x.stride(1) != 1) x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  bool need32 = false, need256 = false;
-  const int64_t N = check_segments(weights, qtypes, K, need32, need256);
+  const wb::Kernels *k = kernels(), *generic = wb_kernels_generic();
+  const int64_t N = check_segments(weights, qtypes, K);
+  // Which activations the segments need: 32-block ones quantized by the level (need32) or, for a
+  // format it has no kernel for, by the generic level in its own order (need32g); 256-block ones
+  // (both levels read the natural order these keep).
+  bool need32 = false, need32g = false, need256 = false;
+  for (auto qt : qtypes) (block_size(qt) == 256 ? need256 : level_has(k, qt) ? need32 : need32g) = true;
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   if (M == 0 || N == 0) return out;
-  const wb::Kernels* k = kernels();
 
-  // Quantized activations: [q32 | d32 | s32 | q256 | qk256 | d256 | bsums256 | bsums32_256], each part
-  // 64-byte aligned. d and s rows are zero-padded to 16 blocks: the kernels read them 8 or 16 at a time.
+  // Quantized activations: [q32 | d32 | s32 | q256 | qk256 | d256 | bsums256 | bsums32_256 | the generic
+  // level's q32 | d32 | s32], each part 64-byte aligned. d and s rows are zero-padded to 16 blocks:
+  // the kernels read them 8 or 16 at a time.
   const int64_t ldq = round_up(K, 64), ldb32 = round_up(K / 32, 16), ldb256 = K / 256;
   size_t off = 0;
   auto take = [&](size_t n) { size_t at = off; off += round_up((int64_t)n, 64); return at; };
@@ -195,13 +208,19 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
   const size_t oq256 = need256 ? take(M * ldq) : 0, ok256 = need256 ? take(M * ldq) : 0,
                od256 = need256 ? take(M * ldb256 * 4) : 0, ob256 = need256 ? take(M * ldb256 * 32) : 0,
                oc256 = need256 ? take(M * ldb256 * 16) : 0;
+  const size_t gq32 = need32g ? take(M * ldq) : 0, gd32 = need32g ? take(M * ldb32 * 4) : 0,
+               gs32 = need32g ? take(M * ldb32 * 4) : 0;
   uint8_t* ws = t_work.get(off);
-  wb::ActQ8 a32{}, a256{};
+  wb::ActQ8 a32{}, a32g{}, a256{};
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   if (need32) {
     memset(ws + od32, 0, 2 * (os32 - od32));  // d32 and s32 (adjacent, same size)
     a32 = {(int8_t*)(ws + oq32), nullptr, (float*)(ws + od32), (float*)(ws + os32), nullptr, nullptr, ldq, ldb32};
+  }
+  if (need32g) {
+    memset(ws + gd32, 0, 2 * (gs32 - gd32));
+    a32g = {(int8_t*)(ws + gq32), nullptr, (float*)(ws + gd32), (float*)(ws + gs32), nullptr, nullptr, ldq, ldb32};
   }
   if (need256) {
     a256 = {(int8_t*)(ws + oq256), (int8_t*)(ws + ok256), (float*)(ws + od256), nullptr, (int16_t*)(ws + ob256),
@@ -209,6 +228,8 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
   }
   auto quantize = [&](int64_t m0, int64_t m1) {
     if (need32) k->quantize32(xp, ldx, m0, m1, K, (int8_t*)a32.q, ldq, (float*)a32.d, (float*)a32.s, ldb32);
+    if (need32g)
+      generic->quantize32(xp, ldx, m0, m1, K, (int8_t*)a32g.q, ldq, (float*)a32g.d, (float*)a32g.s, ldb32);
     if (need256)
       k->quantize256(xp, ldx, m0, m1, K, (int8_t*)a256.q, (int8_t*)a256.qk, ldq, (float*)a256.d,
                      (int16_t*)a256.bsums, (int16_t*)a256.bsums32, ldb256);
@@ -237,8 +258,10 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
       };
       const int64_t n0 = row_at(lo), n1 = row_at(hi);
       if (n1 > n0) {
-        const wb::ActQ8* act = block_size(qtypes[i]) == 32 ? &a32 : &a256;
-        if (!k->matmul((int)qtypes[i], w.data_ptr<uint8_t>(), rb, n0, n1, K, act, M, op + col + n0, N)) ok = false;
+        const bool own = level_has(k, qtypes[i]);  // else the generic level's kernel
+        const wb::ActQ8* act = block_size(qtypes[i]) == 256 ? &a256 : own ? &a32 : &a32g;
+        if (!(own ? k : generic)->matmul((int)qtypes[i], w.data_ptr<uint8_t>(), rb, n0, n1, K, act, M, op + col + n0, N))
+          ok = false;
       }
       seg_start = seg_end;
       col += rows;
@@ -269,8 +292,7 @@ bool dense_supported() {
 // W_i's rows [n0, n1) decoded to bfloat16 [n1 - n0, K] (the dense path's tiles; tests).
 torch::Tensor dequant_bf16(const torch::Tensor& w, int64_t qtype, int64_t K, int64_t n0, int64_t n1) {
   TORCH_CHECK(dense_supported(), "dequant_bf16: needs AVX-512 with BF16");
-  bool n32 = false, n256 = false;
-  check_segments({w}, {qtype}, K, n32, n256);
+  check_segments({w}, {qtype}, K);
   TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= w.size(0), "dequant_bf16: rows [", n0, ", ", n1, ") out of range");
   auto out = torch::empty({n1 - n0, K}, w.options().dtype(torch::kBFloat16));
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -293,8 +315,7 @@ torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::
   TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "qmatmul: x must be a [M, K] CPU tensor");
   TORCH_CHECK(tile > 0, "qmatmul_dense: tile must be positive");
   const int64_t M = x_in.size(0), K = x_in.size(1);
-  bool n32 = false, n256 = false;
-  const int64_t N = check_segments(weights, qtypes, K, n32, n256);
+  const int64_t N = check_segments(weights, qtypes, K);
   const auto xb = x_in.to(torch::kBFloat16).contiguous();
   auto y = torch::empty({M, N}, x_in.options().dtype(torch::kBFloat16));
   auto buf = torch::empty({std::min(tile, N), K}, y.options());
@@ -316,6 +337,25 @@ torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::
   return y.to(torch::kFloat);
 }
 
+// The format table (qformats.h) for Python: (name, GGML type, values a block, bytes a block,
+// float16 fields a 32-block starts with, offset of its codes, its code fields in group order).
+py::list formats() {
+  py::list out;
+#define WB_ROW(name, qt, bs, bb, halves, offset, fields) out.append(py::make_tuple(#name, qt, bs, bb, halves, offset, fields));
+  WB_FORMATS(WB_ROW)
+#undef WB_ROW
+  return out;
+}
+
+void set_generic_formats(const std::vector<int64_t>& qtypes) {
+  uint64_t mask = 0;
+  for (auto qt : qtypes) {
+    TORCH_CHECK(block_size(qt), "set_generic_formats: unsupported qtype ", qt);
+    mask |= 1ull << qt;
+  }
+  g_generic_formats.store(mask);
+}
+
 // decoder_plan.cpp
 void bind_decoder_plan(py::module& m);
 
@@ -328,6 +368,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_bf16", &dequant_bf16, "rows [n0, n1) of GGUF blocks as bfloat16", py::arg("w"), py::arg("qtype"),
         py::arg("k"), py::arg("n0"), py::arg("n1"));
   m.def("dense_supported", &dense_supported, "whether this CPU runs qmatmul_dense (AVX-512 with BF16)");
+  m.def("formats", &formats, "the kernels' format table (csrc/qformats.h)");
+  m.def("set_generic_formats", &set_generic_formats, "formats sent to the generic level's kernel at every level",
+        py::arg("qtypes"));
   m.def("isa", &get_isa, "the kernel level in use");
   m.def("cpu_isa", &cpu_isa, "the best kernel level this CPU supports");
   m.def("set_isa", &set_isa, "force a kernel level ('' for the best this CPU has)", py::arg("level"));

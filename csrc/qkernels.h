@@ -5,12 +5,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "qformats.h"
+
 namespace wb {
 
-// GGML type numbers (gguf.GGMLQuantizationType).
+// GGML type numbers (gguf.GGMLQuantizationType), from the format table.
 enum QType : int {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+#define WB_QTYPE(name, qt, ...) name = qt,
+  WB_FORMATS(WB_QTYPE)
+#undef WB_QTYPE
 };
 
 // Activations quantized once per matmul to 8 bits, row after row.
@@ -41,9 +44,12 @@ struct Kernels {
                       int64_t ldq, float* d, int16_t* bsums, int16_t* bsums32, int64_t ldb);
   // out[m * ldo + (n - n0)] = sum_k W[n, k] x[m, k] for n in [n0, n1), m in [0, M).
   // w: the weight rows, each row_bytes: 32-block formats in the kernels' row layout (qblocks.inc,
-  // kernels.pack_rows), K-quants in file order. Returns false for an unknown qtype.
+  // kernels.pack_rows), K-quants in file order. Returns false for a qtype this level has no kernel
+  // for (ops.cpp then runs the generic level's, which has every format of the table).
   bool (*matmul)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K,
                  const ActQ8* act, int64_t M, float* out, int64_t ldo);
+  // Whether `matmul` has a kernel for qtype (the generic level: every format of the table).
+  bool (*has)(int qtype);
 };
 
 }  // namespace wb

@@ -28,7 +28,7 @@ from wallbreaker.layers.linear import QuantLinear, module_bytes
 from wallbreaker.formats.grid import QuantizedTensor
 
 T = gguf.GGMLQuantizationType
-FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+FORMATS = sorted(kernels.SUPPORTED_TYPES)  # every row of the kernels' format table (csrc/qformats.h)
 LEVELS = kernels.LEVELS[: kernels.LEVELS.index(kernels.cpu_isa()) + 1]  # every level this CPU runs
 ROWS = [1, 3, 16, 160]  # decode, a few sequences, a tile's worth, a prefill chunk
 
@@ -106,6 +106,29 @@ def test_every_row_length_and_tile_tail(level, qtype):
         for m in (1, 2, 5, 9):
             x = torch.randn(m, k, generator=gen) * 3
             check(qtype, x, raw, kernels.qmatmul(x, [w], [qtype]))
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_a_format_without_tiles_at_a_level_runs_the_generic_kernel(level):
+    """A format whose level lacks tiles (a new row of the table) takes the generic level's kernel,
+    beside segments that keep the level's own, in one call: the generic level's exact result."""
+    qtypes = [T.Q4_K, T.Q5_0, T.Q8_0]
+    raws = [random_blocks(q, 9, 512, seed=20 + i) for i, q in enumerate(qtypes)]
+    ws = [kernels.pack_rows(torch.from_numpy(r), q) for r, q in zip(raws, qtypes)]
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(5)) * 2
+    kernels.set_isa("generic")
+    generic = [kernels.qmatmul(x, [w], [q]) for w, q in zip(ws, qtypes)]
+    kernels.set_isa(level)
+    own = kernels.qmatmul(x, ws[:1], qtypes[:1])
+    try:
+        kernels._C.set_generic_formats([int(T.Q5_0), int(T.Q8_0)])
+        y = kernels.qmatmul(x, ws, qtypes)
+    finally:
+        kernels._C.set_generic_formats([])
+    assert torch.equal(y[:, :9], own)  # the level's own kernel where it has one
+    assert torch.equal(y[:, 9:18], generic[1]) and torch.equal(y[:, 18:], generic[2])
+    for raw, q, part in zip(raws, qtypes, y.split(9, dim=1)):
+        check(q, x, raw, part)
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)

@@ -24,16 +24,18 @@ import gguf
 import torch
 
 from .. import _C
-from ..formats.dequant import block_info, dequantize
+from ..formats.dequant import dequantize
 
 T = gguf.GGMLQuantizationType
 
-BLOCK32_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
-K_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+# The kernels' format table (csrc/qformats.h): per GGML type, values and bytes a block, the float16
+# fields a 32-block starts with, and the code fields of a block in the row layout's group order.
+_FORMATS = {T(qt): (bs, bb, halves, [int(f) for f in fields.split(",") if f])
+            for _, qt, bs, bb, halves, _, fields in _C.formats()}
+BLOCK32_TYPES = frozenset(t for t, (bs, *_) in _FORMATS.items() if bs == 32)
+K_TYPES = frozenset(t for t, (bs, *_) in _FORMATS.items() if bs == 256)
 SUPPORTED_TYPES = BLOCK32_TYPES | K_TYPES
 LEVELS = ("generic", "avx2", "avx512")
-
-_SCALE_BYTES = {T.Q4_0: 2, T.Q4_1: 4, T.Q5_0: 2, T.Q5_1: 4, T.Q8_0: 2}  # float16 fields at a block's start
 
 
 # From this many activation rows a call takes the dense path where it runs: at 32 rows it already
@@ -93,22 +95,20 @@ def set_isa(level: str | None) -> None:
 def _row_permutation(qtype: T, row_bytes: int) -> torch.Tensor | None:
     """Byte order of a row in the kernels' layout, as indices into the file's order (None: the same).
     32-block formats (csrc/qblocks.inc): the float16 d of every block, then (Q4_1, Q5_1) every m,
-    then the codes in groups of 4 blocks (a row's last group: the rest): Q4_x each block's 16 nibble
+    then the codes in groups of 4 blocks (a row's last group: the rest), each of the format's code
+    fields (the table's) for every block of the group before the next: Q4_x each block's 16 nibble
     bytes; Q5_x each block's qh bits 0-15, each block's qh bits 16-31, each block's nibble bytes;
     Q8_0 each block's first 16 codes, then each block's last 16. The K-quants keep the file's order."""
     if qtype not in BLOCK32_TYPES:
         return None
-    _, size = block_info(qtype)
+    _, size, halves, fields = _FORMATS[qtype]
     nb = row_bytes // size
-    sb = _SCALE_BYTES[qtype]
     at = torch.arange(row_bytes).view(nb, size)
-    parts = [at[:, :2].reshape(-1)]
-    if sb == 4:
-        parts.append(at[:, 2:4].reshape(-1))
-    codes = at[:, sb:]
+    parts = [at[:, 2 * h:2 * h + 2].reshape(-1) for h in range(halves)]
+    codes = at[:, 2 * halves:]
     # the fields of a block's codes, each laid out for all blocks of a group before the next field
-    fields = {T.Q8_0: [(0, 16), (16, 32)], T.Q5_0: [(0, 2), (2, 4), (4, 20)], T.Q5_1: [(0, 2), (2, 4), (4, 20)]}
-    spans = fields.get(qtype, [(0, 16)])
+    ends = [sum(fields[:i + 1]) for i in range(len(fields))]
+    spans = [(end - f, end) for f, end in zip(fields, ends)]
     full = nb // 4 * 4
     if full:
         g = codes[:full].view(full // 4, 4, -1)
