@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include "attention.h"
+#include "torch_ops.h"
 
 int wb_kernel_level();  // ops.cpp: 0 generic, 1 avx2, 2 avx512
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "torch_ops.h"
 #include "vec_math.h"
 
 namespace {

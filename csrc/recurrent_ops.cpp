@@ -9,6 +9,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "torch_ops.h"
 #include "vec_math.h"
 
 #include <algorithm>
