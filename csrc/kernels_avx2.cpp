@@ -41,11 +41,14 @@ inline int hsum8i(__m256i v) {
   return _mm_cvtsi128_si32(r);
 }
 
-// [hsum a, hsum b, hsum c, hsum d]
+// [hsum a, hsum b, hsum c, hsum d], each added in hsum8's order, so that a row's sum is the same
+// bits whether its tile had 4 weight rows (batch 1) or fewer (batch invariance)
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
-  const __m256 t = _mm256_hadd_ps(ab, cd);  // lane l: [a_l, b_l, c_l, d_l]
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  auto halves = [](__m256 v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); };
+  const __m128 sa = halves(a), sb = halves(b), sc = halves(c), sd = halves(d);
+  const __m128 ab = _mm_add_ps(_mm_shuffle_ps(sa, sb, _MM_SHUFFLE(1, 0, 1, 0)), _mm_shuffle_ps(sa, sb, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m128 cd = _mm_add_ps(_mm_shuffle_ps(sc, sd, _MM_SHUFFLE(1, 0, 1, 0)), _mm_shuffle_ps(sc, sd, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm_add_ps(_mm_shuffle_ps(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)), _mm_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // ---- activations ------------------------------------------------------------------------------
@@ -555,7 +558,10 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
 #define WB_MTB 4
 #define WB_NTB 2
 #endif
-constexpr int MT_B32 = WB_MTB, NT_B32 = WB_NTB, MT_K = WB_MTK, NT_K = WB_NTK, NT_M1 = 4;
+#ifndef WB_ONE_PASS
+#define WB_ONE_PASS 0
+#endif
+constexpr int MT_B32 = WB_MTB, NT_B32 = WB_NTB, MT_K = WB_MTK, NT_K = WB_NTK, NT_M1 = 4, ONE_PASS_ROWS = WB_ONE_PASS;
 // the formats this level has tiles for; any other of the table runs on the generic level
 template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 ||
                                         QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;

@@ -109,6 +109,21 @@ def test_every_row_length_and_tile_tail(level, qtype):
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(level, qtype):
+    """Batch invariance: each activation row's outputs are the same bits alone as among 2..9 rows
+    (the tiles of 4 rows, the 5-row pass of a verification, the tails), so that speculative
+    verification and continuous batching never change a greedy token."""
+    k = 512 if qtype.name.endswith("_K") else 608
+    raw = random_blocks(qtype, 21, k, seed=40 + int(qtype))
+    w = kernels.pack_rows(torch.from_numpy(raw), qtype)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(int(qtype))) * 3
+    alone = torch.cat([kernels.qmatmul(x[i:i + 1], [w], [qtype]) for i in range(9)])
+    for m in range(2, 10):
+        assert torch.equal(kernels.qmatmul(x[:m], [w], [qtype]), alone[:m]), m
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
 def test_a_format_without_tiles_at_a_level_runs_the_generic_kernel(level):
     """A format whose level lacks tiles (a new row of the table) takes the generic level's kernel,
     beside segments that keep the level's own, in one call: the generic level's exact result."""
