@@ -526,7 +526,10 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
 #define WB_MTB 4
 #define WB_NTB 2
 #endif
-constexpr int MT_B32 = WB_MTB, NT_B32 = WB_NTB, MT_K = WB_MTK, NT_K = WB_NTK, NT_M1 = 4;
+#ifndef WB_ONE_PASS
+#define WB_ONE_PASS 5
+#endif
+constexpr int MT_B32 = WB_MTB, NT_B32 = WB_NTB, MT_K = WB_MTK, NT_K = WB_NTK, NT_M1 = 4, ONE_PASS_ROWS = WB_ONE_PASS;
 // the formats this level has tiles for; any other of the table runs on the generic level
 template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 ||
                                         QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;

@@ -120,15 +120,23 @@ def _scan_in_pool(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[t
         for span in meta.spans:
             if span.length <= MAX_STEP_TOKENS:
                 by_length.setdefault(span.length, []).append(span)
-        groups = []
+        groups, in_order = [], False
         for length, spans in by_length.items():
             dst = torch.full((len(spans), length), -1, dtype=torch.long)
             for b, span in enumerate(spans):
                 for k, slot in span.saves:
                     dst[b, k - 1] = slot
-            rows = torch.tensor([s.start + t for s in spans for t in range(length)], device=device)
+            starts = [s.start + t for s in spans for t in range(length)]
+            rows = torch.tensor(starts, device=device)
             groups.append((rows, torch.tensor([s.src for s in spans], device=device), dst.to(device)))
+            in_order = starts == list(range(inputs[0].shape[0]))
+        # every row in one group, in row order (a verification, equal spans side by side): no gather
+        # of the inputs and no scatter of the outputs
         meta._memo["groups"] = groups
+        meta._memo["whole"] = len(groups) == 1 and in_order
+    if meta._memo["whole"]:
+        _, src, dst = groups[0]
+        return step_in_pool(tuple(x.reshape(*dst.shape, *x.shape[1:]) for x in inputs), src, dst).flatten(0, 1)
     parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
     for rows, src, dst in groups:
         shaped = tuple(x[rows].view(*dst.shape, *x.shape[1:]) for x in inputs)
