@@ -107,17 +107,16 @@ class DecoderPlan {
     }
   }
 
-  // h [T, hidden] float32 (added to in place, as the Python path does), delta: the residual the
-  // first layer's norm adds (None: h is the embedding). Returns (h, delta) after the last layer.
+  // h [T, hidden] float32: the embedded tokens, added to in place as the Python path does. Returns
+  // (h, delta) after the last layer (its output is h + delta, the final norm adds them).
   // dense_min_rows: as QuantLinear, calls of that many rows take the dense path (0: none does).
-  std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, c10::optional<torch::Tensor> delta,
-                                               const std::vector<torch::Tensor>& cos,
+  std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, const std::vector<torch::Tensor>& cos,
                                                const std::vector<torch::Tensor>& sin,
                                                const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                                const torch::Tensor& query_start, const torch::Tensor& context_lens,
                                                int64_t block_size, int64_t dense_min_rows, int64_t dense_tile_rows) {
     const Dense dense{dense_min_rows, dense_tile_rows};
-    torch::Tensor d = delta ? *delta : torch::Tensor();
+    torch::Tensor d;  // the residual the next norm adds (none before the first layer)
     for (auto& l : layers_) {
       const auto x = d.defined() ? add_rms_norm_(h, d, l.attn_norm, l.attn_eps) : rms_norm(h, l.attn_norm, l.attn_eps);
       const auto q = rope_write_kv(l.qkv(x, dense), cos.at(l.rope), sin.at(l.rope), l.k, l.v, slot_mapping, l.heads, l.kv_heads, l.q_norm,
@@ -142,11 +141,11 @@ class DecoderPlan {
 }  // namespace
 
 void bind_decoder_plan(py::module& m) {
-  py::class_<DecoderPlan>(m, "DecoderPlan", "a Llama-family layer stack run from C++ (csrc/decoder_plan.cpp)")
+  py::class_<DecoderPlan>(m, "DecoderPlan", "a Llama-family or Gemma layer stack run from C++ (csrc/decoder_plan.cpp)")
       .def(py::init<const py::list&>(), py::arg("specs"))
-      .def("run", &DecoderPlan::run, "(h, delta) through every layer", py::arg("h"), py::arg("delta"),
-           py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start"),
-           py::arg("context_lens"), py::arg("block_size"), py::arg("dense_min_rows"), py::arg("dense_tile_rows"),
+      .def("run", &DecoderPlan::run, "(h, delta) through every layer", py::arg("h"), py::arg("cos"), py::arg("sin"),
+           py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start"), py::arg("context_lens"),
+           py::arg("block_size"), py::arg("dense_min_rows"), py::arg("dense_tile_rows"),
            py::call_guard<py::gil_scoped_release>())
       .def("__len__", &DecoderPlan::size);
 }

@@ -44,7 +44,7 @@ class DecoderStackPlan:
             return None
         cos_sin = [meta.rotary(rope) for rope in self._ropes]
         dense_min_rows = qk.DENSE_MIN_ROWS if qk.dense_path() else 0
-        return plan.run(h, None, [c for c, _ in cos_sin], [s for _, s in cos_sin], meta.slot_mapping,
+        return plan.run(h, [c for c, _ in cos_sin], [s for _, s in cos_sin], meta.slot_mapping,
                         meta.block_tables, meta.query_start, meta.context_lens, meta.block_size, dense_min_rows,
                         qk.DENSE_TILE_ROWS)
 
