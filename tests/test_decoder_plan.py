@@ -28,8 +28,10 @@ def test_decoder_plan_is_bit_identical_to_the_layers(tiny_of, kind):
     assert _run(llm, True) == _run(llm, False)
 
 
-def test_decoder_plan_with_int8_pages_and_speculation(tiny_llama):
-    llm = LLM(str(tiny_llama.gguf_path), kv_cache_dtype="int8", speculative_method="ngram",
+@pytest.mark.parametrize("kind, kv_dtype", [("llama", "int8"), ("qwen2", "int8"), ("qwen2", "fp8")])
+def test_decoder_plan_with_quantized_pages_and_speculation(tiny_of, kind, kv_dtype):
+    """int8 and fp8 pages, with the K/V offsets Qwen2's biases give them, under n-gram speculation."""
+    llm = LLM(str(tiny_of(kind).gguf_path), kv_cache_dtype=kv_dtype, speculative_method="ngram",
               num_speculative_tokens=3, enable_prefix_caching=False)
     assert _run(llm, True) == _run(llm, False)
 
