@@ -123,9 +123,7 @@ void quantize256(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K,
 
 // ---- 32-blocks --------------------------------------------------------------------------------
 // Row layout: see qblocks.inc. Offset and min terms: sum_b c_b s_b, one fmadd per 8 blocks.
-template <int QT> constexpr int kQB = format_facts(QT).block_bytes - 2 * format_facts(QT).halves;  // codes
 template <int QT> constexpr float kOffset = format_facts(QT).halves == 2 ? 1.0f : (float)format_facts(QT).offset;
-template <int QT> constexpr bool kHasMin = format_facts(QT).halves == 2;
 
 // The 32 bits in the 4 bytes at p: bit i -> byte i = 0x10 or 0.
 inline __m256i bits32_x10(const uint8_t* p) {
@@ -290,7 +288,6 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
 }
 
 // ---- 256-blocks -------------------------------------------------------------------------------
-template <int QT> constexpr int kBB = format_facts(QT).block_bytes;
 
 // 16 bytes at `off` of up to 2 rows, row j in 128-bit lane j (lane 1 zero when NT = 1).
 template <int NT>

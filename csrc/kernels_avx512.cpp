@@ -134,11 +134,9 @@ void quantize256(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K,
 // ---- 32-blocks --------------------------------------------------------------------------------
 // Row layout: see qblocks.inc. All codes unsigned for vpdpbusd: Q8_0's signed codes are shifted by
 // 128 (its offset c = -128 d). Offset and min terms: sum_b c_b s_b, one fmadd per 16 blocks.
-template <int QT> constexpr int kQB = format_facts(QT).block_bytes - 2 * format_facts(QT).halves;  // codes
 template <int QT> constexpr float kOffset = QT == Q8_0                        ? -128.0f  // codes shifted to unsigned
                                             : format_facts(QT).halves == 2 ? 1.0f
                                                                            : (float)format_facts(QT).offset;
-template <int QT> constexpr bool kHasMin = format_facts(QT).halves == 2;
 
 // The codes of one group (G blocks, G = 4 but in a row's last group) as two registers: lo (each
 // block's values 0..15 in 128-bit lane i) and hi (values 16..31), zero past G.
@@ -255,7 +253,6 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
 }
 
 // ---- 256-blocks -------------------------------------------------------------------------------
-template <int QT> constexpr int kBB = format_facts(QT).block_bytes;
 
 // 16 bytes at `off` of up to 4 rows, row j in 128-bit lane j (lanes past NT zero).
 template <int NT>

@@ -13,6 +13,12 @@
 #include "qkernels.h"
 #include "torch_ops.h"
 
+namespace wb {
+namespace {
+#include "qblocks.inc"  // block_size_of, block_bytes_of (from the format table)
+}  // namespace
+}  // namespace wb
+
 extern "C" bool wb_dequant_bf16_avx512(int qt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
                                        int64_t K, uint16_t* out, int64_t ldo);
 
@@ -75,24 +81,6 @@ const wb::Kernels* kernels() {
   }
 }
 
-int block_size(int64_t qt) {
-  switch (qt) {
-#define WB_CASE(name, q, bs, ...) case wb::name: return bs;
-    WB_FORMATS(WB_CASE)
-#undef WB_CASE
-    default: return 0;
-  }
-}
-
-int block_bytes(int64_t qt) {
-  switch (qt) {
-#define WB_CASE(name, q, bs, bb, ...) case wb::name: return bb;
-    WB_FORMATS(WB_CASE)
-#undef WB_CASE
-    default: return 0;
-  }
-}
-
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 // One quantized activation buffer per calling thread, grown as needed and reused.
@@ -142,12 +130,12 @@ int64_t check_segments(const std::vector<torch::Tensor>& weights, const std::vec
   int64_t N = 0;
   for (size_t i = 0; i < weights.size(); i++) {
     const auto& w = weights[i];
-    const int bs = block_size(qtypes[i]);
+    const int bs = wb::block_size_of(qtypes[i]);
     TORCH_CHECK(bs, "qmatmul: unsupported qtype ", qtypes[i]);
     TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "qmatmul: weight ", i, " must be a contiguous 2-d uint8 CPU tensor");
-    TORCH_CHECK(K % bs == 0 && w.size(1) == K / bs * block_bytes(qtypes[i]), "qmatmul: weight ", i, " has ",
-                w.size(1), " bytes a row, expected ", K / bs * block_bytes(qtypes[i]), " for K=", K);
+    TORCH_CHECK(K % bs == 0 && w.size(1) == K / bs * wb::block_bytes_of(qtypes[i]), "qmatmul: weight ", i, " has ",
+                w.size(1), " bytes a row, expected ", K / bs * wb::block_bytes_of(qtypes[i]), " for K=", K);
     N += w.size(0);
   }
   return N;
@@ -168,7 +156,7 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
   // format it has no kernel for, by the generic level in its own order (need32g); 256-block ones
   // (both levels read the natural order these keep).
   bool need32 = false, need32g = false, need256 = false;
-  for (auto qt : qtypes) (block_size(qt) == 256 ? need256 : level_has(k, qt) ? need32 : need32g) = true;
+  for (auto qt : qtypes) (wb::block_size_of(qt) == 256 ? need256 : level_has(k, qt) ? need32 : need32g) = true;
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat));
   if (M == 0 || N == 0) return out;
 
@@ -234,7 +222,7 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
       const int64_t n0 = row_at(lo), n1 = row_at(hi);
       if (n1 > n0) {
         const bool own = level_has(k, qtypes[i]);  // else the generic level's kernel
-        const wb::ActQ8* act = block_size(qtypes[i]) == 256 ? &a256 : own ? &a32 : &a32g;
+        const wb::ActQ8* act = wb::block_size_of(qtypes[i]) == 256 ? &a256 : own ? &a32 : &a32g;
         if (!(own ? k : generic)->matmul((int)qtypes[i], w.data_ptr<uint8_t>(), rb, n0, n1, K, act, M, op + col + n0, N))
           ok = false;
       }
@@ -325,7 +313,7 @@ py::list formats() {
 void set_generic_formats(const std::vector<int64_t>& qtypes) {
   uint64_t mask = 0;
   for (auto qt : qtypes) {
-    TORCH_CHECK(block_size(qt), "set_generic_formats: unsupported qtype ", qt);
+    TORCH_CHECK(wb::block_size_of(qt), "set_generic_formats: unsupported qtype ", qt);
     mask |= 1ull << qt;
   }
   g_generic_formats.store(mask);
