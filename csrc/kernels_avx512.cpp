@@ -517,7 +517,7 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
 
 #ifndef WB_MTK
 #define WB_MTK 4
-#define WB_NTK 2
+#define WB_NTK 4  // 4 weight rows a tile: a block's header and mins decoded once for 4 rows (Q4_K 16384x3072 at 4 rows: 2.24 ms against 2.50 with 2)
 #endif
 #ifndef WB_MTB
 #define WB_MTB 4
