@@ -49,7 +49,7 @@ def one_process(args: argparse.Namespace) -> None:
     options = {"kv_cache_disk_gb": args.disk_gb}
     if args.disk_dir:
         options["kv_cache_disk_dir"] = args.disk_dir
-    llm = LLM(args.model, dtype=args.dtype, **options)
+    llm = LLM(args.model, dtype=args.dtype, batch_invariant=args.batch_invariant, **options)
     load_s = time.perf_counter() - start
     ids = prompt_ids(llm.tokenizer, args.prompt_tokens, "prefix disk benchmark document")
     if args.warm_in_ram:  # the prompt alone first, so that the question's run reuses it from RAM
@@ -57,13 +57,14 @@ def one_process(args: argparse.Namespace) -> None:
     if args.question or args.warm_in_ram:
         ids = ids + llm.tokenizer.encode(QUESTION, add_special_tokens=False)
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=args.max_tokens,
-                                                                 ignore_eos=True))[0]
+                                                                 ignore_eos=True, logprobs=5))[0]
     flush_start = time.perf_counter()
     llm.shutdown()  # the disk tier's queued writes, as at the end of any process
     stats = llm.stats()
     print(json.dumps({"ttft_s": out.metrics["ttft_s"], "decode_tokens_per_s": out.metrics["decode_tokens_per_s"],
                       "prompt_tokens": len(ids), "cached_prompt_tokens": out.metrics["num_cached_prompt_tokens"],
                       "token_ids": out.outputs[0].token_ids, "load_s": load_s,
+                      "top_logprobs": out.outputs[0].top_logprobs,
                       "flush_s": time.perf_counter() - flush_start,
                       "disk": {k: v for k, v in stats.items() if k.startswith("kv_disk_")}}))
 
@@ -157,7 +158,8 @@ def spawn(args: argparse.Namespace, disk_gb: float, folder: Path | None, questio
     cmd = [sys.executable, __file__, "--role", "run", "--model", args.model or "", "--dtype", args.dtype,
            "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
            "--disk-gb", str(disk_gb)] + (["--disk-dir", str(folder)] if folder else []) + \
-        (["--question"] if question else []) + (["--warm-in-ram"] if warm_in_ram else [])
+        (["--question"] if question else []) + (["--warm-in-ram"] if warm_in_ram else []) + \
+        (["--batch-invariant"] if args.batch_invariant else [])
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"a run failed:\n{done.stderr[-3000:]}")
@@ -178,6 +180,8 @@ def main() -> None:
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--question", action="store_true")
     ap.add_argument("--warm-in-ram", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="every run in batch-invariant mode: the warm run must give the cold run's logits bit for bit")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.model == "":
@@ -216,7 +220,10 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens, "question_prompt_tokens": cold["prompt_tokens"],
         "cold_ttft_s": cold["ttft_s"], "warm_ttft_s": warm["ttft_s"], "speedup": cold["ttft_s"] / warm["ttft_s"],
         "warm_cached_prompt_tokens": warm["cached_prompt_tokens"], "warm_disk": warm["disk"],
+        "batch_invariant": args.batch_invariant,
         "same_greedy_tokens": warm["token_ids"] == cold["token_ids"],
+        # every step's top-5 log-probabilities, compared as floats: equal only where the logits are
+        "same_top_logprobs": warm["top_logprobs"] == cold["top_logprobs"],
         "first_differing_token": next((i for i, (a, b) in enumerate(zip(warm["token_ids"], cold["token_ids"]))
                                        if a != b), None),
         "ram_warm_ttft_s": ram["ttft_s"], "same_greedy_tokens_as_ram_warm": warm["token_ids"] == ram["token_ids"],
@@ -235,7 +242,8 @@ def main() -> None:
           f"{result['model']}, {args.dtype}: cold {cold['ttft_s']:.2f} s, warm from disk {warm['ttft_s']:.3f} s "
           f"({result['speedup']:.1f}x; {warm['cached_prompt_tokens']} of {warm['prompt_tokens']} prompt tokens read), "
           f"same greedy tokens as cold: {result['same_greedy_tokens']} (first difference at "
-          f"{result['first_differing_token']}), as warm from RAM ({ram['ttft_s']:.3f} s): "
+          f"{result['first_differing_token']}; top-5 log-probabilities of every step equal: "
+          f"{result['same_top_logprobs']}), as warm from RAM ({ram['ttft_s']:.3f} s): "
           f"{result['same_greedy_tokens_as_ram_warm']}\n"
           f"A/B cold prompt: TTFT {ab['A_disk_off_ttft_s']:.2f} / {ab['B_disk_on_ttft_s']:.2f} s, decode "
           f"{ab['A_disk_off_decode_tokens_per_s']:.1f} / {ab['B_disk_on_decode_tokens_per_s']:.1f} tokens/s "

@@ -433,6 +433,11 @@ class EngineConfig:
     # Recurrent layers' states the prefix cache may keep as checkpoints (kv/state_pool.py); None: one
     # per max_num_seqs. They share kv_cache_memory_gb with the KV pages.
     prefix_state_slots: int | None = None
+    # Every token's logits independent of what else its step computes (other sequences, the prompt
+    # chunk it is in, a prefix reused from RAM or disk): bit-identical cold and warm runs, as vLLM's
+    # VLLM_BATCH_INVARIANT. Costs prefill speed (the paged kernel and integer tiles instead of SDPA
+    # and the dense path) and, on the float32 path, decode speed (matmuls in calls of 16 rows).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

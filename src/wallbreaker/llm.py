@@ -177,8 +177,8 @@ class LLM:
             return None, None  # recurrent states are not written to disk (not yet)
         root = Path(c.kv_cache_disk_dir) if c.kv_cache_disk_dir else cache_dir() / "kv"
         layers, _, heads, _, head_dim = self.kv_cache.tensor.shape
-        fingerprint = engine_fingerprint(source_identity(self.model_path), c.dtype,
-                                         kernels.isa() if c.packed_weights else "torch", self.kv_cache.dtype,
+        computed_by = (kernels.isa() if c.packed_weights else "torch") + (" batch-invariant" if c.batch_invariant else "")
+        fingerprint = engine_fingerprint(source_identity(self.model_path), c.dtype, computed_by, self.kv_cache.dtype,
                                          c.kv_block_size, (layers, heads, head_dim))
         disk = None
         if c.kv_cache_disk_gb:

@@ -1,6 +1,7 @@
 """Runs one scheduled batch through the model: flat token list in, logits of the sampling rows out."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +65,10 @@ class ModelRunner:
         their last token (they sample next) and their logits: one row each, or 1 + num_draft rows for a
         sequence carrying drafts to verify. With `all_logits`, the logits of every token computed, in
         batch order (for scoring a text)."""
-        # sequences with few new tokens first: they go to the paged kernel together
-        order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] > MAX_PAGED_QUERIES)
+        # sequences with few new tokens first: they go to the paged kernel together (all of them in
+        # batch-invariant mode, so that a token's attention never depends on the chunk it is in)
+        max_paged = sys.maxsize if getattr(self.model, "batch_invariant", False) else MAX_PAGED_QUERIES
+        order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] > max_paged)
         if all_logits:
             order = list(range(len(batch)))
         input_ids: list[int] = []
@@ -81,7 +84,7 @@ class ModelRunner:
             seq, n = batch.seqs[j], batch.num_new_tokens[j]
             start = seq.num_computed_tokens
             end = start + n
-            if n <= MAX_PAGED_QUERIES and not prefills:
+            if n <= max_paged and not prefills:
                 tables.append(seq.block_table)
                 query_start.append(query_start[-1] + n)
                 context_lens.append(end)

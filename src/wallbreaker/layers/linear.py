@@ -1,5 +1,12 @@
 """Linear layers: y = x Wᵀ + b. The float one is the exact reference; `QuantLinear` (the `auto`
-path) keeps GGUF blocks as stored and runs our own kernels over them (wallbreaker.kernels)."""
+path) keeps GGUF blocks as stored and runs our own kernels over them (wallbreaker.kernels).
+
+`batch_invariant` (set for a whole model by `CausalLM.set_batch_invariant`): a row's output bits do
+not depend on the other rows of the call. PyTorch's float matmul picks its blocking by the number of
+rows (a row computed among 600 and among 18 differs in the last bits), so the float layer then
+multiplies in calls of exactly `INVARIANT_ROWS` rows, the last padded; the quantized layer keeps to
+the integer tiles, whose rows are computed alike in every call (tests/test_kernels.py), and never
+takes the dense path."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +22,12 @@ _qmatmul = qk._C.qmatmul
 _qmatmul_dense = qk._C.qmatmul_dense
 
 
+INVARIANT_ROWS = 16  # rows of every float matmul call in batch-invariant mode
+
+
 class Linear(nn.Module):
+    batch_invariant = False
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
@@ -23,12 +35,23 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """In the weights' dtype (the residual stream between layers is float32 on every path)."""
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        x = x.to(self.weight.dtype)
+        if not self.batch_invariant:
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        rows = x2.shape[0]
+        padded = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
+        if padded != rows:
+            x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
+        y = torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in x2.split(INVARIANT_ROWS)])
+        return y[:rows].view(*x.shape[:-1], -1)
 
 
 class QuantLinear(DirectModule):
     """GGUF blocks in the kernels' row layout, one or more segments (fused projections of the same
     input, each with its own type and rows) computed in one call; float32 out."""
+
+    batch_invariant = False
 
     def __init__(self, segments: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
@@ -54,7 +77,7 @@ class QuantLinear(DirectModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.shape[0] >= qk.DENSE_MIN_ROWS and qk.dense_path():  # prefill on a CPU with AMX
+        if x2.shape[0] >= qk.DENSE_MIN_ROWS and not self.batch_invariant and qk.dense_path():  # prefill on a CPU with AMX
             y = _qmatmul_dense(x2, self.blocks, self.qtypes, qk.DENSE_TILE_ROWS)
         else:
             y = _qmatmul(x2, self.blocks, self.qtypes)

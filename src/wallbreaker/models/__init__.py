@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..config import EngineConfig, ModelConfig
+from ..errors import InvalidRequestError
 from ..formats import ModelFiles
 from ..formats.packaged import cache_dir
 from ..kernels.repack_cache import RepackCache, source_identity
@@ -61,4 +62,8 @@ def load_model(files: ModelFiles, config: EngineConfig, device: torch.device, sh
         raise
     if repack is not None:
         repack.finish()
+    if config.batch_invariant:
+        if not isinstance(model, CausalLM):
+            raise InvalidRequestError("batch_invariant is for generative models (an encoder computes each input whole)")
+        model.set_batch_invariant(True)
     return model

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
+from ..layers.linear import Linear, QuantLinear
 from ..layers.norm import RMSNorm
 from ..layers.recurrent import RecurrentMixer
 from .decoder_plan import DecoderStackPlan
@@ -29,6 +30,7 @@ class CausalLM(nn.Module):
     (None or absent in a recurrent layer, whose state-keeping module is a `RecurrentMixer`)."""
 
     layer_class: type[nn.Module]
+    batch_invariant = False  # set_batch_invariant
     final_norm = "output_norm.weight"  # the norm after the last layer (LFM2 stores it as token_embd_norm)
 
     def __init__(self, cfg: ModelConfig, src: WeightSource):
@@ -40,6 +42,20 @@ class CausalLM(nn.Module):
         self.norm = rms_norm(src, self.final_norm, cfg.rms_norm_eps)
         self.final_softcap = cfg.final_logit_softcap
         self.decoder_plan = DecoderStackPlan(self.layers)  # the C++ stack for decode steps, where it runs
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Compute every token's row the same whatever else is in its step: the other sequences, the
+        chunk of the prompt it is in, a prefix reused from the cache. Every linear layer then keeps
+        to its batch-invariant form (layers/linear.py) and the model runner sends every row to the
+        paged attention kernel (one query at a time over the blocks in order), never to SDPA,
+        whose blocking depends on the chunk. Cold and warm prefix runs give the same logits bit for
+        bit; prefill is slower (no SDPA, no dense path). Recurrent layers scan a prompt chunk by
+        chunk and a step token by token, so a hybrid's rows stay within rounding, not bit for bit."""
+        self.batch_invariant = on
+        for module in self.modules():
+            if isinstance(module, (Linear, QuantLinear)):
+                module.batch_invariant = on
+        self.decoder_plan.dense = not on
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden] float32: what the first layer receives (the residual stream is float32

@@ -27,6 +27,7 @@ class DecoderStackPlan:
         self.layers = layers
         self.enabled = os.environ.get("WALLBREAKER_DECODER_PLAN", "1") != "0" and all(
             getattr(layer, "plan_spec", None) is not None and layer.plan_spec() is not None for layer in layers)
+        self.dense = True  # calls of many rows may take the dense path (off: CausalLM.set_batch_invariant)
         self._plan: _C.DecoderPlan | None = None
         self._kv: list[LayerKV] = []
         self._ropes: list[nn.Module] = []  # the distinct RoPEs, in the order of `run`'s cos/sin lists
@@ -43,7 +44,7 @@ class DecoderStackPlan:
         if plan is None:
             return None
         cos_sin = [meta.rotary(rope) for rope in self._ropes]
-        dense_min_rows = qk.DENSE_MIN_ROWS if qk.dense_path() else 0
+        dense_min_rows = qk.DENSE_MIN_ROWS if self.dense and qk.dense_path() else 0
         return plan.run(h, [c for c, _ in cos_sin], [s for _, s in cos_sin], meta.slot_mapping,
                         meta.block_tables, meta.query_start, meta.context_lens, meta.block_size, dense_min_rows,
                         qk.DENSE_TILE_ROWS)
