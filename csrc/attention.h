@@ -29,9 +29,13 @@ struct AttnArgs {
   float scale;
   int64_t window;  // a query at position p sees keys p - window < key <= p; 0: no window
   float softcap;   // scores -> softcap * tanh(score / softcap); 0: none
+  int64_t query_parts;  // work items per (sequence, KV head): part p takes query blocks p, p + parts, ...
 };
 
-// Work item i is (sequence i / num_kv_heads, KV head i % num_kv_heads): its query heads, all its queries.
+constexpr int64_t kQueryBlock = 8;  // queries of one sequence that share each K and V row's load
+
+// Work item i is part i % query_parts of (sequence, KV head) i / query_parts (sequence
+// that / num_kv_heads, KV head that % num_kv_heads): its query heads, its share of the queries.
 typedef void (*AttnFn)(const AttnArgs& args, int64_t item0, int64_t item1);
 
 }  // namespace wb

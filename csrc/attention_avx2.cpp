@@ -44,6 +44,20 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(r);
 }
 
+// [sum(a0), sum(a1), sum(a2), sum(a3)], each as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// sum(v) in hsum4x8's order: a score is the same bits whether its row came alone or in a group of
+// four, so a query's scores do not depend on how many other queries share the pass over its rows.
+inline float hsum8_pairs(__m256 v) {
+  const __m256 t = _mm256_hadd_ps(v, v);
+  const __m256 u = _mm256_hadd_ps(t, t);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+
 // NG query heads against one row: NG accumulators in registers, the row converted once per 8 values.
 template <int KVT, int NG>
 void dot_block(const float* q, const void* row, int64_t D, float* s, int64_t ld) {
@@ -53,13 +67,7 @@ void dot_block(const float* q, const void* row, int64_t D, float* s, int64_t ld)
     const __m256 x = load8<KVT>(row, i);
     for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), x, acc[g]);
   }
-  for (int g = 0; g < NG; g++) s[g * ld] = hsum8(acc[g]);
-}
-
-// [sum(a0), sum(a1), sum(a2), sum(a3)]
-inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  for (int g = 0; g < NG; g++) s[g * ld] = hsum8_pairs(acc[g]);
 }
 
 // NG query heads against four rows: 4 * NG independent FMA chains (one row's chain alone waits on
@@ -134,18 +142,19 @@ void dot_rows(const float* q, int64_t G, const void* row, int kv_type, int64_t D
 // NG heads, CW vectors of the row at a time: NG * CW accumulators stay in registers over all
 // positions, so a row's chunk is converted once and nothing is stored until the end.
 template <int KVT, int NG, int CW>
-void weighted_block(const float* w, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes,
-                    float* out, int64_t D) {
+void weighted_block(const float* w, int64_t ldw, int64_t j0, int64_t j1, const char* vbase, const int64_t* slots,
+                    int64_t row_bytes, float* out, int64_t D, bool accumulate) {
   for (int64_t i = 0; i < D; i += 8 * CW) {
     __m256 acc[NG][CW];
     for (int g = 0; g < NG; g++)
-      for (int c = 0; c < CW; c++) acc[g][c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < cnt; j++) {
+      for (int c = 0; c < CW; c++)
+        acc[g][c] = accumulate ? _mm256_loadu_ps(out + g * D + i + 8 * c) : _mm256_setzero_ps();
+    for (int64_t j = j0; j < j1; j++) {
       const void* row = vbase + slots[j] * row_bytes;
       __m256 x[CW];
       for (int c = 0; c < CW; c++) x[c] = load8<KVT>(row, i + 8 * c);
       for (int g = 0; g < NG; g++) {
-        const __m256 wg = _mm256_broadcast_ss(w + g * cnt + j);
+        const __m256 wg = _mm256_broadcast_ss(w + g * ldw + j);
         for (int c = 0; c < CW; c++) acc[g][c] = _mm256_fmadd_ps(wg, x[c], acc[g][c]);
       }
     }
@@ -155,40 +164,38 @@ void weighted_block(const float* w, int64_t cnt, const char* vbase, const int64_
 }
 
 template <int KVT, int NG>
-void weighted_ng(const float* w, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes, float* out,
-                 int64_t D) {
+void weighted_ng(const float* w, int64_t ldw, int64_t j0, int64_t j1, const char* vbase, const int64_t* slots,
+                 int64_t row_bytes, float* out, int64_t D, bool accumulate) {
   constexpr int CW = NG <= 3 ? 4 : NG <= 7 ? 2 : 1;  // at most 12-14 accumulators
-  if (D % (8 * CW) == 0) return weighted_block<KVT, NG, CW>(w, cnt, vbase, slots, row_bytes, out, D);
-  weighted_block<KVT, NG, 1>(w, cnt, vbase, slots, row_bytes, out, D);
+  if (D % (8 * CW) == 0)
+    return weighted_block<KVT, NG, CW>(w, ldw, j0, j1, vbase, slots, row_bytes, out, D, accumulate);
+  weighted_block<KVT, NG, 1>(w, ldw, j0, j1, vbase, slots, row_bytes, out, D, accumulate);
 }
 
 template <int KVT>
-void weighted_t(const float* w, int64_t G, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes,
-                float* out, int64_t D) {
+void weighted_t(const float* w, int64_t ldw, int64_t G, int64_t j0, int64_t j1, const char* vbase,
+                const int64_t* slots, int64_t row_bytes, float* out, int64_t D, bool accumulate) {
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
-    const float* wg = w + g0 * cnt;
+    const float* wg = w + g0 * ldw;
     float* og = out + g0 * D;
     switch (G - g0 < 8 ? G - g0 : 8) {
-      case 1: weighted_ng<KVT, 1>(wg, cnt, vbase, slots, row_bytes, og, D); break;
-      case 2: weighted_ng<KVT, 2>(wg, cnt, vbase, slots, row_bytes, og, D); break;
-      case 3: weighted_ng<KVT, 3>(wg, cnt, vbase, slots, row_bytes, og, D); break;
-      case 4: weighted_ng<KVT, 4>(wg, cnt, vbase, slots, row_bytes, og, D); break;
-      case 5: weighted_ng<KVT, 5>(wg, cnt, vbase, slots, row_bytes, og, D); break;
-      case 6: weighted_ng<KVT, 6>(wg, cnt, vbase, slots, row_bytes, og, D); break;
-      case 7: weighted_ng<KVT, 7>(wg, cnt, vbase, slots, row_bytes, og, D); break;
-      default: weighted_ng<KVT, 8>(wg, cnt, vbase, slots, row_bytes, og, D); break;
+#define WB_NG(ng) \
+      case ng: weighted_ng<KVT, ng>(wg, ldw, j0, j1, vbase, slots, row_bytes, og, D, accumulate); break;
+      WB_NG(1) WB_NG(2) WB_NG(3) WB_NG(4) WB_NG(5) WB_NG(6) WB_NG(7)
+#undef WB_NG
+      default: weighted_ng<KVT, 8>(wg, ldw, j0, j1, vbase, slots, row_bytes, og, D, accumulate); break;
     }
   }
 }
 
-void weighted_sum(const float* w, int64_t G, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes,
-                  int kv_type, float* out, int64_t D) {
+void weighted_sum(const float* w, int64_t ldw, int64_t G, int64_t j0, int64_t j1, const char* vbase,
+                  const int64_t* slots, int64_t row_bytes, int kv_type, float* out, int64_t D, bool accumulate) {
   switch (kv_type) {
-    case KV_F32: return weighted_t<KV_F32>(w, G, cnt, vbase, slots, row_bytes, out, D);
-    case KV_BF16: return weighted_t<KV_BF16>(w, G, cnt, vbase, slots, row_bytes, out, D);
-    case KV_F16: return weighted_t<KV_F16>(w, G, cnt, vbase, slots, row_bytes, out, D);
-    case KV_INT8: return weighted_t<KV_INT8>(w, G, cnt, vbase, slots, row_bytes, out, D);
-    default: return weighted_t<KV_FP8>(w, G, cnt, vbase, slots, row_bytes, out, D);
+    case KV_F32: return weighted_t<KV_F32>(w, ldw, G, j0, j1, vbase, slots, row_bytes, out, D, accumulate);
+    case KV_BF16: return weighted_t<KV_BF16>(w, ldw, G, j0, j1, vbase, slots, row_bytes, out, D, accumulate);
+    case KV_F16: return weighted_t<KV_F16>(w, ldw, G, j0, j1, vbase, slots, row_bytes, out, D, accumulate);
+    case KV_INT8: return weighted_t<KV_INT8>(w, ldw, G, j0, j1, vbase, slots, row_bytes, out, D, accumulate);
+    default: return weighted_t<KV_FP8>(w, ldw, G, j0, j1, vbase, slots, row_bytes, out, D, accumulate);
   }
 }
 

@@ -46,14 +46,14 @@ void dot_rows4(const float* q, int64_t G, const void* const* rows, int kv_type, 
   for (int r = 0; r < 4; r++) dot_rows(q, G, rows[r], kv_type, D, s + r, ld);
 }
 
-void weighted_sum(const float* w, int64_t G, int64_t cnt, const char* vbase, const int64_t* slots, int64_t row_bytes,
-                  int kv_type, float* out, int64_t D) {
-  memset(out, 0, sizeof(float) * G * D);
-  for (int64_t j = 0; j < cnt; j++) {
+void weighted_sum(const float* w, int64_t ldw, int64_t G, int64_t j0, int64_t j1, const char* vbase,
+                  const int64_t* slots, int64_t row_bytes, int kv_type, float* out, int64_t D, bool accumulate) {
+  if (!accumulate) memset(out, 0, sizeof(float) * G * D);
+  for (int64_t j = j0; j < j1; j++) {
     const void* row = vbase + slots[j] * row_bytes;
     for (int64_t i = 0; i < D; i++) {
       const float x = elem(row, kv_type, i);
-      for (int64_t g = 0; g < G; g++) out[g * D + i] += w[g * cnt + j] * x;
+      for (int64_t g = 0; g < G; g++) out[g * D + i] += w[g * ldw + j] * x;
     }
   }
 }

@@ -78,7 +78,15 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const torch::Tensor& k_
   a.softcap = (float)softcap;
   wb::AttnFn fn = wb_kernel_level() >= 1 && D % 8 == 0 && wb_attention_avx2() ? wb_attention_avx2()
                                                                                 : wb_attention_generic();
-  const int64_t items = N * KVH;
+  // Few (sequence, KV head) pairs for the threads (one long prefill chunk): each pair's query
+  // blocks are split over a few work items, so that no thread waits on another's share.
+  const int64_t pairs = N * KVH, threads = at::get_num_threads();
+  int64_t longest = 0;
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  for (int64_t n = 0; n < N; n++) longest = std::max<int64_t>(longest, qs[n + 1] - qs[n]);
+  const int64_t blocks = (longest + wb::kQueryBlock - 1) / wb::kQueryBlock;
+  a.query_parts = pairs >= 2 * threads ? 1 : std::max<int64_t>(1, std::min<int64_t>(blocks, (2 * threads + pairs - 1) / pairs));
+  const int64_t items = pairs * a.query_parts;
   if (items == 0) return out;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { fn(a, i0, i1); });
   return out;

@@ -93,15 +93,35 @@ def test_int8_and_fp8_pages_equal_attention_over_their_dequantized_pages(level, 
     assert (got.double() - want).abs().max() < 2e-5
 
 
-def test_every_query_of_a_span_is_computed_as_a_decode_at_its_position(level):
-    """Verifying K drafts in one call gives, row for row, what K + 1 decode steps give: bit for bit."""
-    q, k, v, tables, _, lens, bs = paged_case(lens=(40,), queries=(5,))
-    together = _C.paged_attention(q, k, v, None, None, None, None, tables, torch.tensor([0, 5], dtype=torch.int32), lens, bs,
-                                  0.2, 0, 0.0)
-    for i in range(5):
-        alone = _C.paged_attention(q[i:i + 1], k, v, None, None, None, None, tables, torch.tensor([0, 1], dtype=torch.int32),
-                                   lens - 4 + i, bs, 0.2, 0, 0.0)
-        assert torch.equal(alone[0], together[i])
+@pytest.mark.parametrize("nq", [5, 37])
+@pytest.mark.parametrize("pages", ["bfloat16", "int8"])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 0.0), (0, 30.0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_query_of_a_span_is_computed_as_a_decode_at_its_position(level, nq, pages, window, softcap, threads):
+    """Verifying K drafts, or a prefill chunk, in one call gives, row for row, what one decode step
+    at each position gives, bit for bit: the queries that share a pass over the rows (blocks of 8,
+    split over the threads) each get their own arithmetic."""
+    q, k, v, tables, _, lens, bs = paged_case(9, 3, 64, lens=(60,), queries=(nq,))
+    scales, offsets = (None, None), (None, None)
+    if pages == "int8":
+        scales = k.abs().amax(-1) / 127, v.abs().amax(-1) / 127
+        k, v = (torch.round(x / s[..., None]).to(torch.int8) for x, s in zip((k, v), scales))
+        offsets = torch.randn(3, 64), torch.randn(3, 64)
+    else:
+        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+
+    def attend(rows: slice, length) -> torch.Tensor:
+        n = rows.stop - rows.start
+        return _C.paged_attention(q[rows], k, v, *scales, *offsets, tables, torch.tensor([0, n], dtype=torch.int32),
+                                  length, bs, 0.2, window, softcap)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = attend(slice(0, nq), lens)
+        for i in range(nq):
+            assert torch.equal(attend(slice(i, i + 1), lens - nq + 1 + i)[0], together[i]), i
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_bad_arguments_are_refused():
