@@ -319,6 +319,18 @@ void set_generic_formats(const std::vector<int64_t>& qtypes) {
   g_generic_formats.store(mask);
 }
 
+// The kernel level in use: weight rows a tile for a format (kernels/tuning.py chooses them).
+void set_weight_rows(int64_t qt, int64_t rows) {
+  TORCH_CHECK(kernels()->set_weight_rows((int)qt, (int)rows), "set_weight_rows: the ", get_isa(),
+              " level has no tiles of ", rows, " weight rows for qtype ", qt);
+}
+
+int64_t weight_rows(int64_t qt) { return kernels()->weight_rows((int)qt); }
+
+std::vector<int64_t> weight_row_choices() {
+  return std::vector<int64_t>(std::begin(wb::kWeightRowChoices), std::end(wb::kWeightRowChoices));
+}
+
 // decoder_plan.cpp
 void bind_decoder_plan(py::module& m);
 
@@ -334,6 +346,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("formats", &formats, "the kernels' format table (csrc/qformats.h)");
   m.def("set_generic_formats", &set_generic_formats, "formats sent to the generic level's kernel at every level",
         py::arg("qtypes"));
+  m.def("set_weight_rows", &set_weight_rows, "weight rows a tile for qtype at the level in use (0: its default)",
+        py::arg("qtype"), py::arg("rows"));
+  m.def("weight_rows", &weight_rows, "weight rows a tile for qtype at the level in use (0: no tiles)",
+        py::arg("qtype"));
+  m.def("weight_row_choices", &weight_row_choices, "the weight rows a tile may take (set_weight_rows)");
   m.def("isa", &get_isa, "the kernel level in use");
   m.def("cpu_isa", &cpu_isa, "the best kernel level this CPU supports");
   m.def("set_isa", &set_isa, "force a kernel level ('' for the best this CPU has)", py::arg("level"));

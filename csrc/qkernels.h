@@ -36,6 +36,9 @@ struct ActQ8 {
   int64_t ldb;             // blocks between rows of d / s (bsums: 16 ldb, bsums32: 8 ldb)
 };
 
+// Weight rows a tile may take in calls of several activation rows (tile_driver.inc, kernels/tuning.py).
+constexpr int kWeightRowChoices[] = {1, 2, 4};
+
 struct Kernels {
   // x: [M, K] float32 with row stride ldx. K % 32 == 0 (32-blocks) or K % 256 == 0 (256-blocks).
   void (*quantize32)(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq,
@@ -50,6 +53,10 @@ struct Kernels {
                  const ActQ8* act, int64_t M, float* out, int64_t ldo);
   // Whether `matmul` has a kernel for qtype (the generic level: every format of the table).
   bool (*has)(int qtype);
+  // Weight rows a tile takes in calls of several activation rows (tile_driver.inc; 0: the level's
+  // default). False where the level has no such choice (the generic level) or the count is not one.
+  bool (*set_weight_rows)(int qtype, int rows);
+  int (*weight_rows)(int qtype);  // the count in use; 0 where the level has no tiles for qtype
 };
 
 }  // namespace wb

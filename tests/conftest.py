@@ -14,6 +14,9 @@ from tiny_models import TinyModel, make_tiny_model
 # server, tensor-parallel workers) each spinning two OpenMP threads on two cores slow each other
 # down by an order of magnitude.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Each level's default tile shapes, not ones timed on a machine busy with tests (test_kernel_tuning.py
+# measures on purpose); every shape gives the same bits anyway.
+os.environ.setdefault("WALLBREAKER_KERNEL_TUNING", "0")
 torch.set_num_threads(1)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import gguf
 import gguf.quants
@@ -57,6 +58,23 @@ def random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
         return raw
 
 
+def tile_shapes(qtype: T) -> list[int]:
+    """The weight rows a tile may take for qtype at the level in use (kernels/tuning.py chooses
+    among them on each host): every one is checked, so the tuner can only pick a tested kernel."""
+    return list(kernels._C.weight_row_choices()) if kernels._C.weight_rows(int(qtype)) else [0]
+
+
+@contextmanager
+def weight_rows(qtype: T, rows: int):
+    if rows:
+        kernels._C.set_weight_rows(int(qtype), rows)
+    try:
+        yield
+    finally:
+        if rows:
+            kernels._C.set_weight_rows(int(qtype), 0)
+
+
 def activation_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
     """[M, N] the bound of the docstring, from the data (float64)."""
     m, k = x.shape
@@ -87,7 +105,11 @@ def test_kernel_matches_gguf_dequantization(level, qtype):
     for m in ROWS:
         x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
         x[:, 40:44] = 0  # a block of zeros somewhere keeps d_x = 0 honest
-        check(qtype, x, raw, kernels.qmatmul(x, [w], [qtype]))
+        default = kernels.qmatmul(x, [w], [qtype])
+        check(qtype, x, raw, default)
+        for rows in tile_shapes(qtype):  # each tile shape the tuner may choose: the same bits
+            with weight_rows(qtype, rows):
+                assert torch.equal(kernels.qmatmul(x, [w], [qtype]), default), (m, rows)
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
@@ -119,8 +141,10 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(level, qtype):
     w = kernels.pack_rows(torch.from_numpy(raw), qtype)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(int(qtype))) * 3
     alone = torch.cat([kernels.qmatmul(x[i:i + 1], [w], [qtype]) for i in range(9)])
-    for m in range(2, 10):
-        assert torch.equal(kernels.qmatmul(x[:m], [w], [qtype]), alone[:m]), m
+    for rows in tile_shapes(qtype):
+        with weight_rows(qtype, rows):
+            for m in range(2, 10):
+                assert torch.equal(kernels.qmatmul(x[:m], [w], [qtype]), alone[:m]), (m, rows)
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)

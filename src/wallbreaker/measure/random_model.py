@@ -24,8 +24,10 @@ from ..formats.weights import layer_tensors, top_tensors
 Q = gguf.GGMLQuantizationType
 SCHEMES = ("q8_0", "q4_k_m")
 # The float16 scale fields of each type's block (byte offsets) and the scale that gives weights a
-# spread of ~0.02: Q8_0 d * q (q ~ 74 RMS); Q4_K d * sc * q (sc ~ 36, q ~ 9); Q6_K d * sc * q (~74 * 18).
-_SCALES = {Q.Q8_0: ((0,), 2.7e-4), Q.Q4_K: ((0, 2), 6e-5), Q.Q6_K: ((208,), 1.5e-5)}
+# spread of ~0.02: Q8_0 d * q (q ~ 74 RMS); Q4_K d * sc * q (sc ~ 36, q ~ 9); Q6_K d * sc * q (~74 * 18);
+# Q4_0 / Q5_0 d * (q - 8 / 16) (~4.6 / 9.2 RMS), Q4_1 d * q + m (its m the same small value).
+_SCALES = {Q.Q8_0: ((0,), 2.7e-4), Q.Q4_K: ((0, 2), 6e-5), Q.Q6_K: ((208,), 1.5e-5),
+           Q.Q4_0: ((0,), 4.3e-3), Q.Q5_0: ((0,), 2.2e-3), Q.Q4_1: ((0, 2), 2.2e-3)}
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from ..config import EngineConfig, ModelConfig
 from ..errors import InvalidRequestError
 from ..formats import ModelFiles
 from ..formats.packaged import cache_dir
+from ..kernels import tuning
 from ..kernels.repack_cache import RepackCache, source_identity
 from ..layers.shard import Shard
 from .base import CausalLM
@@ -50,6 +51,7 @@ def load_model(files: ModelFiles, config: EngineConfig, device: torch.device, sh
     kernels cannot read from the file's mapping come from the repack cache (kernels/repack_cache.py)."""
     repack = None
     if config.packed_weights:
+        tuning.apply()  # this host's tile shapes, measured once and stored (kernels/tuning.py)
         where = "" if shard is None else f"{shard.rank}/{shard.world_size}"
         repack = RepackCache(cache_dir() / "repack", source_identity(files.path, where))
     try:

@@ -1,0 +1,92 @@
+"""kernels/tuning.py: the tile shapes timed on the host are chosen only among those the kernel tests
+check (tests/test_kernels.py), stored per CPU model and kernel level, read back instead of measured
+again, measured again when asked or when the file is unreadable, and never change a result."""
+from __future__ import annotations
+
+import json
+
+import gguf
+import pytest
+import torch
+
+from wallbreaker import _C, kernels
+from wallbreaker.kernels import tuning
+
+T = gguf.GGMLQuantizationType
+QUICK = dict(formats=(T.Q8_0, T.Q4_K), rows=(4,), shape=(256, 512), repeats=1, calls=2)
+
+
+@pytest.fixture
+def tuned(monkeypatch, tmp_path):
+    """apply() on a file of its own, measuring QUICK, every choice restored to the default after."""
+    monkeypatch.setenv("WALLBREAKER_KERNEL_TUNING", "1")
+    monkeypatch.delenv("WALLBREAKER_RETUNE", raising=False)
+    monkeypatch.setattr(tuning, "_applied", None)
+    calls = []
+    quick = tuning.measure
+
+    def measure():
+        calls.append(1)
+        return quick(**QUICK)
+    monkeypatch.setattr(tuning, "measure", measure)
+    yield tmp_path / "kernel_tuning.json", calls
+    for qtype in kernels.SUPPORTED_TYPES:
+        if _C.weight_rows(int(qtype)):
+            _C.set_weight_rows(int(qtype), 0)
+
+
+@pytest.mark.skipif(kernels.isa() == "generic", reason="the generic level has no tiles to choose among")
+def test_a_measurement_is_stored_per_host_and_read_back(tuned):
+    path, calls = tuned
+    chosen = tuning.apply(path=path)
+    assert set(chosen) == {"Q8_0", "Q4_K"} and calls == [1]
+    assert all(rows in _C.weight_row_choices() for rows in chosen.values())
+    assert all(_C.weight_rows(int(T[name])) == rows for name, rows in chosen.items())
+    stored = json.loads(path.read_text())
+    assert stored == {tuning.host_key(): chosen}
+    tuning._applied = None  # a new process
+    assert tuning.apply(path=path) == chosen and calls == [1]  # read, not measured
+    assert tuning.apply(retune=True, path=path) is not None and calls == [1, 1]
+
+
+@pytest.mark.skipif(kernels.isa() == "generic", reason="the generic level has no tiles to choose among")
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", ""])
+def test_an_unreadable_file_is_measured_again(tuned, content):
+    path, calls = tuned
+    path.write_text(content)
+    tuning.apply(path=path)
+    assert calls == [1] and tuning.host_key() in json.loads(path.read_text())
+
+
+@pytest.mark.skipif(kernels.isa() == "generic", reason="the generic level has no tiles to choose among")
+def test_an_edited_entry_sets_what_is_valid_and_skips_the_rest(tuned):
+    path, calls = tuned
+    path.write_text(json.dumps({tuning.host_key(): {"Q8_0": 1, "Q4_K": 3, "NOPE": 2}}))
+    assert tuning.apply(path=path) == {"Q8_0": 1} and calls == []
+    assert _C.weight_rows(int(T.Q8_0)) == 1
+
+
+def test_the_switch_keeps_the_defaults(monkeypatch, tmp_path):
+    monkeypatch.setenv("WALLBREAKER_KERNEL_TUNING", "0")
+    assert tuning.apply(path=tmp_path / "t.json") == {} and not (tmp_path / "t.json").exists()
+
+
+def test_a_shape_outside_the_compiled_ones_is_refused():
+    with pytest.raises(RuntimeError, match="weight rows"):
+        _C.set_weight_rows(int(T.Q4_K), 3)
+
+
+@pytest.mark.skipif(kernels.isa() == "generic", reason="the generic level has no tiles to choose among")
+def test_the_chosen_shapes_give_the_same_model_output(tuned, tiny_llama):
+    """A model's tokens and log-probabilities with every format on each tile shape: the same bits."""
+    from wallbreaker import LLM, SamplingParams
+    llm = LLM(str(tiny_llama.quantized_gguf(T.Q8_0)), enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = ["one two three", "four five six seven", "eight"]
+
+    def run():
+        return [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in llm.generate(prompts, params)]
+    default = run()
+    for rows in _C.weight_row_choices():
+        _C.set_weight_rows(int(T.Q8_0), rows)
+        assert run() == default, rows
