@@ -17,6 +17,7 @@ products, float32 out. docs/kernels.md has the design and the measured figures.
 from __future__ import annotations
 
 import functools
+import platform
 import os
 from typing import Sequence
 
@@ -74,6 +75,18 @@ def qmatmul_dense(x: torch.Tensor, weights: Sequence[torch.Tensor], qtypes: Sequ
 def isa() -> str:
     """The kernel level in use: 'avx512', 'avx2' or 'generic'."""
     return _C.isa()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (what tuned kernels and every speed figure are keyed by)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_isa() -> str:

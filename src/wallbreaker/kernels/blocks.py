@@ -7,9 +7,13 @@ the `auto` path runs through the kernels.
 - `q4_1_blocks`: a grid of <= 4-bit codes with a scale and zero point per group of a multiple of
   32 columns, (q - z)·s -> Q4_1 with d = s, m = -z·s: the same codes and scale, only m rounded to
   float16 (relative error 2^-11 of m).
+- `random_blocks`: random codes with scales of a trained model's size, as stored, for benchmarks,
+  the random-weight models of measure/random_model.py and the tile tuner (kernels/tuning.py).
 """
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import torch
 
 from ..formats.grid import QuantizedTensor
@@ -43,3 +47,22 @@ def q4_1_blocks(q: QuantizedTensor) -> torch.Tensor | None:
     out[..., 2:4] = (-z * s).to(torch.float16).view(torch.uint8).view(n, k // 32, 2)
     out[..., 4:] = codes[..., :16] | (codes[..., 16:] << 4)
     return out.view(n, -1)
+
+
+Q = gguf.GGMLQuantizationType
+# The float16 scale fields of each type's block (byte offsets) and the scale that gives weights a
+# spread of ~0.02: Q8_0 d * q (q ~ 74 RMS); Q4_K d * sc * q (sc ~ 36, q ~ 9); Q6_K d * sc * q (~74 * 18);
+# Q4_0 / Q5_0 d * (q - 8 / 16) (~4.6 / 9.2 RMS), Q4_1 d * q + m (its m the same small value).
+_SCALES = {Q.Q8_0: ((0,), 2.7e-4), Q.Q4_K: ((0, 2), 6e-5), Q.Q6_K: ((208,), 1.5e-5),
+           Q.Q4_0: ((0,), 4.3e-3), Q.Q5_0: ((0,), 2.2e-3), Q.Q4_1: ((0, 2), 2.2e-3)}
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes per row] uint8 of random blocks with sane float16 scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    out = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    fields, scale = _SCALES[qtype]
+    d = (rng.random((rows, cols // block, 1), dtype=np.float32) + 0.5) * scale
+    for at in fields:
+        out[:, :, at:at + 2] = d.astype(np.float16).view(np.uint8)
+    return out.reshape(rows, -1)

@@ -41,7 +41,7 @@ def tuning_path() -> Path:
 
 
 def host_key() -> str:
-    from ..measure.machine import cpu_model
+    from . import cpu_model
     return f"{cpu_model()} | {_C.isa()} | v{VERSION}"
 
 
@@ -57,8 +57,8 @@ def measure(formats=FORMATS, rows=ROWS, shape=SHAPE, repeats: int = 5, calls: in
     median over `repeats` rounds (the choices interleaved in each) of `calls` products, summed over
     `rows` relative to the best choice at each; the level's default unless another is faster by
     more than MARGIN (two choices within the noise would otherwise flip from run to run)."""
-    from ..measure.random_model import random_blocks
     from . import pack_rows
+    from .blocks import random_blocks
     rng = np.random.default_rng(0)
     choices = _C.weight_row_choices()
     chosen: dict[str, int] = {}

@@ -65,17 +65,6 @@ class MachineProfile:
         return cls(bandwidth=bandwidth, flops=flops, **rest)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_facts(threads: int | None = None) -> dict:
     """What every speed figure must name: the CPU, the instruction set our kernels and ATen ran at
     (forced lower by WALLBREAKER_CPU_ISA / ATEN_CPU_CAPABILITY), the threads, and the stored read
@@ -84,7 +73,7 @@ def machine_facts(threads: int | None = None) -> dict:
     threads = threads or torch.get_num_threads()
     profile = load_profile()
     bandwidth = profile.read_bandwidth(threads) if profile else None
-    return {"cpu": cpu_model(), "cpu_isa": kernels.cpu_isa(), "kernel_isa": kernels.isa(),
+    return {"cpu": kernels.cpu_model(), "cpu_isa": kernels.cpu_isa(), "kernel_isa": kernels.isa(),
             "aten_isa": torch.backends.cpu.get_cpu_capability(), "threads": threads,
             "read_bandwidth_gb_per_s": round(bandwidth / 1e9, 1) if bandwidth else None}
 

@@ -17,18 +17,13 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from ..kernels.blocks import random_blocks
 from ..formats.gguf_file import open_gguf
 from ..formats.gguf_writer import write_gguf
 from ..formats.weights import layer_tensors, top_tensors
 
 Q = gguf.GGMLQuantizationType
 SCHEMES = ("q8_0", "q4_k_m")
-# The float16 scale fields of each type's block (byte offsets) and the scale that gives weights a
-# spread of ~0.02: Q8_0 d * q (q ~ 74 RMS); Q4_K d * sc * q (sc ~ 36, q ~ 9); Q6_K d * sc * q (~74 * 18);
-# Q4_0 / Q5_0 d * (q - 8 / 16) (~4.6 / 9.2 RMS), Q4_1 d * q + m (its m the same small value).
-_SCALES = {Q.Q8_0: ((0,), 2.7e-4), Q.Q4_K: ((0, 2), 6e-5), Q.Q6_K: ((208,), 1.5e-5),
-           Q.Q4_0: ((0,), 4.3e-3), Q.Q5_0: ((0,), 2.2e-3), Q.Q4_1: ((0, 2), 2.2e-3)}
-
 
 @dataclass(frozen=True)
 class Shape:
@@ -61,17 +56,6 @@ def tensor_type(name: str, scheme: str, layers: int) -> Q:
     if name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(int(name.split(".")[1]), layers):
         return Q.Q6_K
     return Q.Q4_K
-
-
-def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """[rows, bytes per row] uint8 of random blocks with sane float16 scales."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    out = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    fields, scale = _SCALES[qtype]
-    d = (rng.random((rows, cols // block, 1), dtype=np.float32) + 0.5) * scale
-    for at in fields:
-        out[:, :, at:at + 2] = d.astype(np.float16).view(np.uint8)
-    return out.reshape(rows, -1)
 
 
 def write_random_gguf(path: Path, shape: Shape, scheme: str, tokenizer_gguf: Path, seed: int = 0,
