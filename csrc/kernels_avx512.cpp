@@ -515,18 +515,11 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
   else tile_k23<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
 }
 
-#ifndef WB_MTK
-#define WB_MTK 4
-#define WB_NTK 4  // 4 weight rows a tile: a block's header and mins decoded once for 4 rows (Q4_K 16384x3072 at 4 rows: 2.24 ms against 2.50 with 2)
-#endif
-#ifndef WB_MTB
-#define WB_MTB 4
-#define WB_NTB 2
-#endif
-#ifndef WB_ONE_PASS
-#define WB_ONE_PASS 5
-#endif
-constexpr int MT_B32 = WB_MTB, NT_B32 = WB_NTB, MT_K = WB_MTK, NT_K = WB_NTK, NT_M1 = 4, ONE_PASS_ROWS = WB_ONE_PASS;
+// Register budget: 4 activation rows a tile; weight rows a tile by default 2 (32-blocks) and 4
+// (K-quants: a block's header and mins decoded once for 4 rows; Q4_K 16384x3072 at 4 rows 2.24 ms
+// against 2.50 with 2), each format's own count timed on the host by kernels/tuning.py. A call of 5
+// rows (a verification of 4 drafts) is one pass.
+constexpr int MT_B32 = 4, NT_B32 = 2, MT_K = 4, NT_K = 4, NT_M1 = 4, ONE_PASS_ROWS = 5;
 // the formats this level has tiles for; any other of the table runs on the generic level
 template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 ||
                                         QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;

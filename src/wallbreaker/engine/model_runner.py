@@ -39,6 +39,9 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.vocab_limit = min(vocab_limit or model.config.vocab_size, model.config.vocab_size)
+        # a sequence with at most this many new tokens goes to the paged attention kernel; in
+        # batch-invariant mode every one does (models/base.py `set_batch_invariant`)
+        self.max_paged_queries = sys.maxsize if getattr(model, "batch_invariant", False) else MAX_PAGED_QUERIES
         layers = model.attention_layers()
         kv_cache.set_offsets([attn.kv_offsets() for attn in layers])
         for i, attn in enumerate(layers):
@@ -67,7 +70,7 @@ class ModelRunner:
         batch order (for scoring a text)."""
         # sequences with few new tokens first: they go to the paged kernel together (all of them in
         # batch-invariant mode, so that a token's attention never depends on the chunk it is in)
-        max_paged = sys.maxsize if getattr(self.model, "batch_invariant", False) else MAX_PAGED_QUERIES
+        max_paged = self.max_paged_queries
         order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] > max_paged)
         if all_logits:
             order = list(range(len(batch)))

@@ -32,7 +32,7 @@ FORMATS = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)  # what the real mode
 ROWS = (4, 16)  # the calls a choice serves: a few sequences' decode, a verification, a batch
 SHAPE = (2048, 2048)  # out x in; a pool of four such matrices is read from memory, not cache
 MARGIN = 0.03  # another choice must beat the level's default by this much (a tie keeps the default)
-_applied: dict[str, int] | None = None
+_applied: tuple[str, dict[str, int]] | None = None  # (host key, choices) set in this process
 
 
 def tuning_path() -> Path:
@@ -118,8 +118,8 @@ def apply(retune: bool | None = None, path: Path | None = None) -> dict[str, int
         return {}
     retune = os.environ.get("WALLBREAKER_RETUNE") == "1" if retune is None else retune
     key = host_key()
-    if _applied is not None and not retune and _applied.get("key") == key:
-        return _applied["chosen"]
+    if _applied is not None and not retune and _applied[0] == key:
+        return _applied[1]
     path = path or tuning_path()
     stored = _stored(path)
     entry = stored.get(key)
@@ -136,5 +136,5 @@ def apply(retune: bool | None = None, path: Path | None = None) -> dict[str, int
         except OSError as e:  # a read-only cache: the choices hold for this process only
             log.warning("kernel tuning not stored (%s)", e)
     chosen = _set(entry)
-    _applied = {"key": key, "chosen": chosen}
+    _applied = key, chosen
     return chosen
