@@ -26,7 +26,7 @@ setup(
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized"],
             extra_link_args=["-fopenmp"],
             depends=["csrc/qkernels.h", "csrc/qformats.h", "csrc/qblocks.inc", "csrc/tile_driver.inc",
-                     "csrc/kscales_avx2.inc", "csrc/torch_ops.h", "csrc/attention.h", "csrc/attention_impl.inc",
+                     "csrc/kscales_avx2.inc", "csrc/tuning.inc", "csrc/torch_ops.h", "csrc/attention.h", "csrc/attention_impl.inc",
                      "csrc/fp8.h", "csrc/vec_math.h"],
         )
     ],

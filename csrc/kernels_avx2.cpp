@@ -25,6 +25,7 @@ inline float half_f16c(const uint8_t* p) {
 }
 #define WB_HALF(p) half_f16c(p)
 #include "qblocks.inc"
+#include "tuning.inc"
 #include "kscales_avx2.inc"
 
 inline float hsum8(__m256 v) {
@@ -233,7 +234,7 @@ inline void pair_step(const uint8_t* w, int64_t row_bytes, int64_t qoff, const A
 template <int QT, int MT, int NT>
 void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb;
-  const int64_t pf = prefetch_distance(NT * row_bytes);
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   __m256 acc[MT][NT];
   #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
@@ -322,7 +323,7 @@ void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
   }
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const int64_t pf = prefetch_distance(NT * row_bytes);
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   // the header of block b + 1 is decoded during block b: its shuffles are off the critical path
   __m256i Hn = lanes128<NT>(w, row_bytes, 0), Rn = k4_scales_mins(Hn);
   for (int64_t b = 0; b < nb; b++) {
@@ -414,7 +415,7 @@ void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, in
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-  const int64_t pf = prefetch_distance(NT * row_bytes);
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
@@ -487,7 +488,7 @@ void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
   for (int i = 0; i < MT; i++)
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
-  const int64_t pf = prefetch_distance(NT * row_bytes);
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
@@ -548,14 +549,15 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
 }
 
 // Register budget: 4 activation rows a tile; weight rows a tile by default 2 (32-blocks) and 1
-// (K-quants), each format's own count timed on the host by kernels/tuning.py.
-constexpr int MT_B32 = 4, NT_B32 = 2, MT_K = 4, NT_K = 1, NT_M1 = 4, ONE_PASS_ROWS = 0;
+// (K-quants), each format's own count timed on the host by kernels/tuning.py. Batch 1 as at
+// AVX-512 (kernels_avx512.cpp).
+constexpr int MT_B32 = 4, NT_B32 = 2, MT_K = 4, NT_K = 1, NT_M1 = 1, NT_M1_LONG = 4, ONE_PASS_ROWS = 0;
 // the formats this level has tiles for; any other of the table runs on the generic level
 template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 ||
                                         QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;
 #include "tile_driver.inc"
 
-const Kernels kTable = {quantize32, quantize256, matmul, has, set_weight_rows, weight_rows};
+const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob};
 
 }  // namespace
 }  // namespace wb

@@ -25,6 +25,7 @@ inline float half_f16c(const uint8_t* p) {
 }
 #define WB_HALF(p) half_f16c(p)
 #include "qblocks.inc"
+#include "tuning.inc"
 #include "kscales_avx2.inc"
 
 inline float hsum8(__m256 v) {
@@ -204,7 +205,7 @@ inline void group_dot(const uint8_t* w, int64_t row_bytes, int64_t qoff, const A
 template <int QT, int MT, int NT>
 void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb;
-  const int64_t pf = prefetch_distance(NT * row_bytes);
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   __m512 acc[MT][NT];
   #pragma GCC unroll 8
   for (int i = 0; i < MT; i++)
@@ -329,7 +330,7 @@ void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
   const __m512i mnctrl = _mm512_broadcast_i32x4(_mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1));
   const __m512i dmidx = _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
   const __m512i ddidx = _mm512_zextsi128_si512(_mm_setr_epi16(0, 8, 16, 24, 1, 9, 17, 25));
-  const int64_t pf = prefetch_distance(NT * row_bytes);
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   // the header of block b + 1 is decoded during block b: its shuffles are off the critical path
   __m512i Hn = lanes128<NT>(w, row_bytes, 0), Rn = k4_scales_mins(Hn);
   for (int64_t b = 0; b < nb; b++) {
@@ -397,7 +398,7 @@ void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, in
   for (int i = 0; i < MT; i++)
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
-  const int64_t pf = prefetch_distance(NT * row_bytes);
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* wb = w + b * kBB<QT>;
     #pragma GCC unroll 8
@@ -460,7 +461,7 @@ void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
   for (int i = 0; i < MT; i++)
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
-  const int64_t pf = prefetch_distance(NT * row_bytes);
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
@@ -518,14 +519,16 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
 // Register budget: 4 activation rows a tile; weight rows a tile by default 2 (32-blocks) and 4
 // (K-quants: a block's header and mins decoded once for 4 rows; Q4_K 16384x3072 at 4 rows 2.24 ms
 // against 2.50 with 2), each format's own count timed on the host by kernels/tuning.py. A call of 5
-// rows (a verification of 4 drafts) is one pass.
-constexpr int MT_B32 = 4, NT_B32 = 2, MT_K = 4, NT_K = 4, NT_M1 = 4, ONE_PASS_ROWS = 5;
+// rows (a verification of 4 drafts) is one pass. Batch 1: one weight row a tile for rows of up to
+// kLongRowK values, 4 for longer ones (Zen 4, 2 threads, from DRAM: Q4_K 1536x1536 17.6 GB/s with
+// 4 rows, 25.6 with 1; Q8_0 1536x8960 25.6 with 4, 23.9 with 1).
+constexpr int MT_B32 = 4, NT_B32 = 2, MT_K = 4, NT_K = 4, NT_M1 = 1, NT_M1_LONG = 4, ONE_PASS_ROWS = 5;
 // the formats this level has tiles for; any other of the table runs on the generic level
 template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 ||
                                         QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;
 #include "tile_driver.inc"
 
-const Kernels kTable = {quantize32, quantize256, matmul, has, set_weight_rows, weight_rows};
+const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob};
 
 }  // namespace
 }  // namespace wb

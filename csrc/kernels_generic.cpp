@@ -126,10 +126,10 @@ bool matmul(int qt, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
 
 bool has(int qt) { return block_size_of(qt) != 0; }  // every format of the table
 
-bool set_weight_rows(int, int) { return false; }  // one loop per format, no tiles to choose among
-int weight_rows(int) { return 0; }
+bool set_knob(int, int, int) { return false; }  // one loop per format, no tiles to tune
+int knob(int, int) { return 0; }
 
-const Kernels kTable = {quantize32, quantize256, matmul, has, set_weight_rows, weight_rows};
+const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob};
 
 }  // namespace
 }  // namespace wb

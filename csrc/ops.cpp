@@ -319,15 +319,26 @@ void set_generic_formats(const std::vector<int64_t>& qtypes) {
   g_generic_formats.store(mask);
 }
 
-// The kernel level in use: weight rows a tile for a format (kernels/tuning.py chooses them).
-void set_weight_rows(int64_t qt, int64_t rows) {
-  TORCH_CHECK(kernels()->set_weight_rows((int)qt, (int)rows), "set_weight_rows: the ", get_isa(),
-              " level has no tiles of ", rows, " weight rows for qtype ", qt);
+// The kernel level's tuning knobs (qkernels.h: Knob), by name; kernels/tuning.py sets them.
+const char* const kKnobNames[wb::kKnobs] = {"rows", "rows_m1", "rows_m1_long", "prefetch"};
+
+int knob_index(const std::string& name) {
+  for (int i = 0; i < wb::kKnobs; i++)
+    if (name == kKnobNames[i]) return i;
+  TORCH_CHECK(false, "unknown tuning knob '", name, "': expected rows, rows_m1, rows_m1_long or prefetch");
+  return -1;
 }
 
-int64_t weight_rows(int64_t qt) { return kernels()->weight_rows((int)qt); }
+void set_tuning(int64_t qt, const std::string& knob, int64_t value) {
+  TORCH_CHECK(kernels()->set_knob((int)qt, knob_index(knob), (int)value), "set_tuning: the ", get_isa(),
+              " level has no ", knob, " choice ", value, " for qtype ", qt);
+}
 
-std::vector<int64_t> weight_row_choices() {
+int64_t tuning(int64_t qt, const std::string& knob) { return kernels()->knob((int)qt, knob_index(knob)); }
+
+std::vector<int64_t> tuning_choices(const std::string& knob) {
+  if (knob_index(knob) == wb::kPrefetch)
+    return std::vector<int64_t>(std::begin(wb::kPrefetchChoices), std::end(wb::kPrefetchChoices));
   return std::vector<int64_t>(std::begin(wb::kWeightRowChoices), std::end(wb::kWeightRowChoices));
 }
 
@@ -346,11 +357,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("formats", &formats, "the kernels' format table (csrc/qformats.h)");
   m.def("set_generic_formats", &set_generic_formats, "formats sent to the generic level's kernel at every level",
         py::arg("qtypes"));
-  m.def("set_weight_rows", &set_weight_rows, "weight rows a tile for qtype at the level in use (0: its default)",
-        py::arg("qtype"), py::arg("rows"));
-  m.def("weight_rows", &weight_rows, "weight rows a tile for qtype at the level in use (0: no tiles)",
-        py::arg("qtype"));
-  m.def("weight_row_choices", &weight_row_choices, "the weight rows a tile may take (set_weight_rows)");
+  m.def("set_tuning", &set_tuning, "a tuning knob's value for qtype at the level in use (0: its default)",
+        py::arg("qtype"), py::arg("knob"), py::arg("value"));
+  m.def("tuning", &tuning, "a tuning knob's value for qtype at the level in use (0: no tiles)", py::arg("qtype"),
+        py::arg("knob"));
+  m.def("tuning_knobs", [] { return std::vector<std::string>(std::begin(kKnobNames), std::end(kKnobNames)); },
+        "the knobs kernels/tuning.py sets per format");
+  m.def("tuning_choices", &tuning_choices, "the values a tuning knob may take", py::arg("knob"));
   m.def("isa", &get_isa, "the kernel level in use");
   m.def("cpu_isa", &cpu_isa, "the best kernel level this CPU supports");
   m.def("set_isa", &set_isa, "force a kernel level ('' for the best this CPU has)", py::arg("level"));

@@ -36,8 +36,18 @@ struct ActQ8 {
   int64_t ldb;             // blocks between rows of d / s (bsums: 16 ldb, bsums32: 8 ldb)
 };
 
-// Weight rows a tile may take in calls of several activation rows (tile_driver.inc, kernels/tuning.py).
+// What kernels/tuning.py may choose per format on the host (csrc/tuning.inc, tile_driver.inc).
+// None moves a bit of a result: every choice reduces a row alike (tests/test_kernels.py).
+enum Knob : int {
+  kRows = 0,        // weight rows a tile, in calls of several activation rows
+  kRowsM1 = 1,      // weight rows a tile, batch 1, rows of at most kLongRowK values
+  kRowsM1Long = 2,  // weight rows a tile, batch 1, longer rows
+  kPrefetch = 3,    // bytes the software prefetch runs ahead of a tile
+};
+constexpr int kKnobs = 4;
+constexpr int64_t kLongRowK = 4096;
 constexpr int kWeightRowChoices[] = {1, 2, 4};
+constexpr int kPrefetchChoices[] = {2048, 4096, 8192, 16384};
 
 struct Kernels {
   // x: [M, K] float32 with row stride ldx. K % 32 == 0 (32-blocks) or K % 256 == 0 (256-blocks).
@@ -53,10 +63,10 @@ struct Kernels {
                  const ActQ8* act, int64_t M, float* out, int64_t ldo);
   // Whether `matmul` has a kernel for qtype (the generic level: every format of the table).
   bool (*has)(int qtype);
-  // Weight rows a tile takes in calls of several activation rows (tile_driver.inc; 0: the level's
-  // default). False where the level has no such choice (the generic level) or the count is not one.
-  bool (*set_weight_rows)(int qtype, int rows);
-  int (*weight_rows)(int qtype);  // the count in use; 0 where the level has no tiles for qtype
+  // A knob's value for qtype (0: the level's default). False where the level has no tiles for
+  // qtype (the generic level has none) or the value is not among the knob's choices.
+  bool (*set_knob)(int qtype, int knob, int value);
+  int (*knob)(int qtype, int knob);  // the value in use; 0 where the level has no tiles for qtype
 };
 
 }  // namespace wb

@@ -1,6 +1,6 @@
-"""kernels/tuning.py: the tile shapes timed on the host are chosen only among those the kernel tests
-check (tests/test_kernels.py), stored per CPU model and kernel level, read back instead of measured
-again, measured again when asked or when the file is unreadable, and never change a result."""
+"""kernels/tuning.py: the knobs timed on the host are set only to values the kernel tests check
+(tests/test_kernels.py), stored per CPU model and kernel level, read back instead of measured again,
+measured again when asked or when the file is unreadable, and never change a result."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from wallbreaker import _C, kernels
 from wallbreaker.kernels import tuning
 
 T = gguf.GGMLQuantizationType
-QUICK = dict(formats=(T.Q8_0, T.Q4_K), rows=(4,), shape=(256, 512), repeats=1, calls=2)
+QUICK = dict(formats=(T.Q8_0, T.Q4_K), rows=(4,), short=(64, 512), long=(16, 4352), pool_mb=1, repeats=1)
 
 
 @pytest.fixture
@@ -29,10 +29,13 @@ def tuned(monkeypatch, tmp_path):
         calls.append(1)
         return quick(**QUICK)
     monkeypatch.setattr(tuning, "measure", measure)
-    yield tmp_path / "kernel_tuning.json", calls
+    path = tmp_path / "kernel_tuning.json"
+    monkeypatch.setattr(tuning, "tuning_path", lambda: path)  # a model load's apply() too
+    yield path, calls
     for qtype in kernels.SUPPORTED_TYPES:
-        if _C.weight_rows(int(qtype)):
-            _C.set_weight_rows(int(qtype), 0)
+        if _C.tuning(int(qtype), "rows"):
+            for knob in _C.tuning_knobs():
+                _C.set_tuning(int(qtype), knob, 0)
 
 
 @pytest.mark.skipif(kernels.isa() == "generic", reason="the generic level has no tiles to choose among")
@@ -40,8 +43,9 @@ def test_a_measurement_is_stored_per_host_and_read_back(tuned):
     path, calls = tuned
     chosen = tuning.apply(path=path)
     assert set(chosen) == {"Q8_0", "Q4_K"} and calls == [1]
-    assert all(rows in _C.weight_row_choices() for rows in chosen.values())
-    assert all(_C.weight_rows(int(T[name])) == rows for name, rows in chosen.items())
+    for name, knobs in chosen.items():
+        assert set(knobs) == set(_C.tuning_knobs())
+        assert all(v in _C.tuning_choices(k) and _C.tuning(int(T[name]), k) == v for k, v in knobs.items())
     stored = json.loads(path.read_text())
     assert stored == {tuning.host_key(): chosen}
     tuning._applied = None  # a new process
@@ -61,9 +65,10 @@ def test_an_unreadable_file_is_measured_again(tuned, content):
 @pytest.mark.skipif(kernels.isa() == "generic", reason="the generic level has no tiles to choose among")
 def test_an_edited_entry_sets_what_is_valid_and_skips_the_rest(tuned):
     path, calls = tuned
-    path.write_text(json.dumps({tuning.host_key(): {"Q8_0": 1, "Q4_K": 3, "NOPE": 2}}))
-    assert tuning.apply(path=path) == {"Q8_0": 1} and calls == []
-    assert _C.weight_rows(int(T.Q8_0)) == 1
+    path.write_text(json.dumps({tuning.host_key(): {
+        "Q8_0": {"rows": 1, "prefetch": 4096, "spin": 2}, "Q4_K": {"rows_m1": 3}, "Q6_K": 4, "NOPE": {"rows": 2}}}))
+    assert tuning.apply(path=path) == {"Q8_0": {"rows": 1, "prefetch": 4096}} and calls == []
+    assert _C.tuning(int(T.Q8_0), "rows") == 1 and _C.tuning(int(T.Q8_0), "prefetch") == 4096
 
 
 def test_the_switch_keeps_the_defaults(monkeypatch, tmp_path):
@@ -71,14 +76,19 @@ def test_the_switch_keeps_the_defaults(monkeypatch, tmp_path):
     assert tuning.apply(path=tmp_path / "t.json") == {} and not (tmp_path / "t.json").exists()
 
 
-def test_a_shape_outside_the_compiled_ones_is_refused():
-    with pytest.raises(RuntimeError, match="weight rows"):
-        _C.set_weight_rows(int(T.Q4_K), 3)
+@pytest.mark.skipif(kernels.isa() == "generic", reason="the generic level has no tiles to choose among")
+def test_a_value_outside_the_compiled_ones_is_refused():
+    with pytest.raises(RuntimeError, match="no rows_m1 choice 3"):
+        _C.set_tuning(int(T.Q4_K), "rows_m1", 3)
+    with pytest.raises(RuntimeError, match="no prefetch choice 1000"):
+        _C.set_tuning(int(T.Q4_K), "prefetch", 1000)
+    with pytest.raises(RuntimeError, match="unknown tuning knob"):
+        _C.set_tuning(int(T.Q4_K), "spin", 1)
 
 
 @pytest.mark.skipif(kernels.isa() == "generic", reason="the generic level has no tiles to choose among")
 def test_the_chosen_shapes_give_the_same_model_output(tuned, tiny_llama):
-    """A model's tokens and log-probabilities with every format on each tile shape: the same bits."""
+    """A model's tokens and log-probabilities with each value of each knob: the same bits."""
     from wallbreaker import LLM, SamplingParams
     llm = LLM(str(tiny_llama.quantized_gguf(T.Q8_0)), enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
@@ -87,6 +97,8 @@ def test_the_chosen_shapes_give_the_same_model_output(tuned, tiny_llama):
     def run():
         return [(o.outputs[0].token_ids, o.outputs[0].top_logprobs) for o in llm.generate(prompts, params)]
     default = run()
-    for rows in _C.weight_row_choices():
-        _C.set_weight_rows(int(T.Q8_0), rows)
-        assert run() == default, rows
+    for knob in _C.tuning_knobs():
+        for value in _C.tuning_choices(knob):
+            _C.set_tuning(int(T.Q8_0), knob, value)
+            assert run() == default, (knob, value)
+        _C.set_tuning(int(T.Q8_0), knob, 0)

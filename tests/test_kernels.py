@@ -58,21 +58,24 @@ def random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
         return raw
 
 
-def tile_shapes(qtype: T) -> list[int]:
-    """The weight rows a tile may take for qtype at the level in use (kernels/tuning.py chooses
-    among them on each host): every one is checked, so the tuner can only pick a tested kernel."""
-    return list(kernels._C.weight_row_choices()) if kernels._C.weight_rows(int(qtype)) else [0]
+def knob_settings(qtype: T) -> list[tuple[str, int]]:
+    """Every (knob, value) kernels/tuning.py may set for qtype at the level in use (it chooses among
+    them on each host): every one is checked, so the tuner can only pick a tested kernel."""
+    if not kernels._C.tuning(int(qtype), "rows"):
+        return []
+    return [(knob, v) for knob in kernels._C.tuning_knobs() for v in kernels._C.tuning_choices(knob)]
 
 
 @contextmanager
-def weight_rows(qtype: T, rows: int):
-    if rows:
-        kernels._C.set_weight_rows(int(qtype), rows)
+def knob(qtype: T, name: str | None = None, value: int = 0):
+    """qtype's knob `name` set to `value` within (none: the defaults)."""
+    if name:
+        kernels._C.set_tuning(int(qtype), name, value)
     try:
         yield
     finally:
-        if rows:
-            kernels._C.set_weight_rows(int(qtype), 0)
+        if name:
+            kernels._C.set_tuning(int(qtype), name, 0)
 
 
 def activation_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
@@ -107,9 +110,24 @@ def test_kernel_matches_gguf_dequantization(level, qtype):
         x[:, 40:44] = 0  # a block of zeros somewhere keeps d_x = 0 honest
         default = kernels.qmatmul(x, [w], [qtype])
         check(qtype, x, raw, default)
-        for rows in tile_shapes(qtype):  # each tile shape the tuner may choose: the same bits
-            with weight_rows(qtype, rows):
-                assert torch.equal(kernels.qmatmul(x, [w], [qtype]), default), (m, rows)
+        for setting in knob_settings(qtype):  # each choice the tuner may make: the same bits
+            with knob(qtype, *setting):
+                assert torch.equal(kernels.qmatmul(x, [w], [qtype]), default), (m, setting)
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_a_long_row_at_batch_1(level, qtype):
+    """Rows past 4096 values, which batch 1 tiles by a knob of their own (`rows_m1_long`)."""
+    k = 4352  # 17 blocks of 256, 136 of 32
+    raw = random_blocks(qtype, 11, k, seed=60 + int(qtype))
+    w = kernels.pack_rows(torch.from_numpy(raw), qtype)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(int(qtype))) * 2
+    default = kernels.qmatmul(x, [w], [qtype])
+    check(qtype, x, raw, default)
+    for setting in knob_settings(qtype):
+        with knob(qtype, *setting):
+            assert torch.equal(kernels.qmatmul(x, [w], [qtype]), default), setting
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
@@ -141,10 +159,10 @@ def test_a_row_gets_the_same_bits_whatever_else_is_in_the_call(level, qtype):
     w = kernels.pack_rows(torch.from_numpy(raw), qtype)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(int(qtype))) * 3
     alone = torch.cat([kernels.qmatmul(x[i:i + 1], [w], [qtype]) for i in range(9)])
-    for rows in tile_shapes(qtype):
-        with weight_rows(qtype, rows):
+    for setting in [()] + knob_settings(qtype):
+        with knob(qtype, *setting):
             for m in range(2, 10):
-                assert torch.equal(kernels.qmatmul(x[:m], [w], [qtype]), alone[:m]), (m, rows)
+                assert torch.equal(kernels.qmatmul(x[:m], [w], [qtype]), alone[:m]), (m, setting)
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)

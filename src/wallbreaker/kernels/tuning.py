@@ -1,12 +1,21 @@
-"""Kernels tuned where they run. For each format, the number of weight rows a tile takes in calls of
-several activation rows (csrc/tile_driver.inc: 1, 2 or 4, each compiled) is timed on this host and
-kept in `<cache>/kernel_tuning.json`, keyed by the CPU model and the kernel level: a Xeon and a Zen 3
-differ in which tile keeps their vector units busy (issue 32), and a figure from one host says
-nothing of another. Every choice gives a row the same bits (tests/test_kernels.py), so tuning
-moves speed only.
+"""Kernels tuned where they run. For each format, the knobs of csrc/ (qkernels.h: Knob) are timed on
+this host and kept in `<cache>/kernel_tuning.json`, keyed by the CPU model and the kernel level:
+
+- `rows_m1`, `rows_m1_long`: the weight rows a batch-1 tile takes (1, 2 or 4), for rows of at most
+  4096 values and for longer ones. Which keeps the memory busy depends on the CPU's prefetchers: on
+  a Zen 4, 4 interleaved rows of 1,536 values read at half the bandwidth that one row at a time
+  does, and rows of 8,960 values the other way round.
+- `prefetch`: how far ahead of a tile the software prefetch runs (2 to 16 KB).
+- `rows`: the weight rows a tile takes in calls of several activation rows (a few sequences'
+  decode, a verification, a batch), where the arithmetic, not the memory, is the bound.
+
+Each choice gives a row the same bits (tests/test_kernels.py checks every one), so tuning moves
+speed only; a choice is kept only where it beats the level's default by MARGIN (two within the
+noise would otherwise flip from run to run). The batch-1 knobs are timed on a pool of weights
+larger than the last-level cache, as a decode step reads them.
 
 `apply()` runs at the first load of a packed-weight model in a process: the stored choices for this
-CPU and level, or, where none are stored, a measurement of about a second, then stored.
+CPU and level, or, where none are stored, a measurement of a few seconds, then stored.
 `WALLBREAKER_RETUNE=1` measures again; `WALLBREAKER_KERNEL_TUNING=0` keeps each level's defaults.
 """
 from __future__ import annotations
@@ -27,12 +36,13 @@ from .. import _C
 log = logging.getLogger(__name__)
 
 T = gguf.GGMLQuantizationType
-VERSION = 1  # of what is measured; entries of another version are measured again
+VERSION = 2  # of what is measured; entries of another version are measured again
 FORMATS = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)  # what the real models store
-ROWS = (4, 16)  # the calls a choice serves: a few sequences' decode, a verification, a batch
-SHAPE = (2048, 2048)  # out x in; a pool of four such matrices is read from memory, not cache
-MARGIN = 0.03  # another choice must beat the level's default by this much (a tie keeps the default)
-_applied: tuple[str, dict[str, int]] | None = None  # (host key, choices) set in this process
+ROWS = (4, 16)  # the calls `rows` serves
+SHORT, LONG = (2048, 2048), (1024, 8192)  # out x in: batch-1 shapes on either side of 4096 values a row
+POOL_MB = (64, 256)  # the batch-1 pool: twice the last-level cache, within these bounds
+MARGIN = 0.03
+_applied: tuple[str, dict[str, dict[str, int]]] | None = None  # (host key, choices) set in this process
 
 
 def tuning_path() -> Path:
@@ -45,47 +55,82 @@ def host_key() -> str:
     return f"{cpu_model()} | {_C.isa()} | v{VERSION}"
 
 
-def _timed(fn, calls: int) -> float:
-    start = time.perf_counter()
-    for i in range(calls):
-        fn(i)
-    return (time.perf_counter() - start) / calls
+def last_level_cache_bytes() -> int:
+    """The largest cache sysfs reports for CPU 0 (0 where it says nothing)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(sizes, default=0)
 
 
-def measure(formats=FORMATS, rows=ROWS, shape=SHAPE, repeats: int = 5, calls: int = 8) -> dict[str, int]:
-    """The fastest weight rows a tile for each format this level has tiles for: per choice, the
-    median over `repeats` rounds (the choices interleaved in each) of `calls` products, summed over
-    `rows` relative to the best choice at each; the level's default unless another is faster by
-    more than MARGIN (two choices within the noise would otherwise flip from run to run)."""
+def _pool(qtype: T, shape: tuple[int, int], megabytes: int, rng: np.random.Generator) -> list[torch.Tensor]:
+    """Distinct copies of one random matrix, `megabytes` in all (at least 4)."""
     from . import pack_rows
     from .blocks import random_blocks
-    rng = np.random.default_rng(0)
-    choices = _C.weight_row_choices()
-    chosen: dict[str, int] = {}
-    for qtype in formats:
-        default = _C.weight_rows(int(qtype))
-        if not default:
-            continue
-        n, k = shape
-        pool = [pack_rows(torch.from_numpy(random_blocks(qtype, n, k, rng)), qtype) for _ in range(4)]
-        score = dict.fromkeys(choices, 0.0)
-        try:
-            for m in rows:
-                x = torch.randn(m, k)
-                times: dict[int, list[float]] = {c: [] for c in choices}
-                for _ in range(repeats):
-                    for c in choices:
-                        _C.set_weight_rows(int(qtype), c)
-                        _C.qmatmul(x, [pool[0]], [int(qtype)])  # warm the tile's code
-                        times[c].append(_timed(lambda i: _C.qmatmul(x, [pool[i % 4]], [int(qtype)]), calls))
-                medians = {c: statistics.median(t) for c, t in times.items()}
-                best = min(medians.values())
+    one = pack_rows(torch.from_numpy(random_blocks(qtype, *shape, rng)), qtype)
+    return [one.clone() for _ in range(max(4, (megabytes << 20) // one.numel()))]
+
+
+def _seconds_a_call(fn, pool: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for w in pool:
+        fn(w)
+    return (time.perf_counter() - start) / len(pool)
+
+
+def _choose(qtype: T, knob: str, cases: list[tuple[torch.Tensor, list[torch.Tensor]]], repeats: int) -> int:
+    """The fastest value of `knob` for qtype over `cases` (activations, weight pool): per value, the
+    median of `repeats` passes (the values interleaved in each), summed over the cases relative to
+    the best value of each; the level's default unless another beats it by MARGIN."""
+    choices, default = _C.tuning_choices(knob), _C.tuning(int(qtype), knob)
+    score = dict.fromkeys(choices, 0.0)
+    try:
+        for x, pool in cases:
+            times: dict[int, list[float]] = {c: [] for c in choices}
+            for _ in range(repeats):
                 for c in choices:
-                    score[c] += medians[c] / best
+                    _C.set_tuning(int(qtype), knob, c)
+                    _C.qmatmul(x, [pool[0]], [int(qtype)])  # warm the tile's code
+                    times[c].append(_seconds_a_call(lambda w: _C.qmatmul(x, [w], [int(qtype)]), pool))
+            medians = {c: statistics.median(t) for c, t in times.items()}
+            best = min(medians.values())
+            for c in choices:
+                score[c] += medians[c] / best
+    finally:
+        _C.set_tuning(int(qtype), knob, 0)
+    best = min(choices, key=score.__getitem__)
+    return best if score[best] < score[default] * (1 - MARGIN) else default
+
+
+def measure(formats=FORMATS, rows=ROWS, short=SHORT, long=LONG, pool_mb: int | None = None,
+            repeats: int = 5) -> dict[str, dict[str, int]]:
+    """This host's choices for each format the level has tiles for: the batch-1 weight rows (short
+    and long rows) and prefetch distance on a pool beyond the last-level cache, then the weight
+    rows of several-row calls. Each knob is timed with the ones chosen before it set."""
+    if pool_mb is None:
+        pool_mb = min(max(2 * last_level_cache_bytes() >> 20, POOL_MB[0]), POOL_MB[1])
+    rng = np.random.default_rng(0)
+    chosen: dict[str, dict[str, int]] = {}
+    for qtype in formats:
+        if not _C.tuning(int(qtype), "rows"):
+            continue
+        picks: dict[str, int] = {}
+        pools = {shape: _pool(qtype, shape, pool_mb, rng) for shape in (short, long)}
+        one = {shape: (torch.randn(1, shape[1]), pool) for shape, pool in pools.items()}
+        try:
+            for knob, cases in (("rows_m1", [one[short]]), ("rows_m1_long", [one[long]]),
+                                ("prefetch", list(one.values())),
+                                ("rows", [(torch.randn(m, short[1]), pools[short][:8]) for m in rows])):
+                picks[knob] = _choose(qtype, knob, cases, repeats)
+                _C.set_tuning(int(qtype), knob, picks[knob])
         finally:
-            _C.set_weight_rows(int(qtype), 0)
-        best = min(choices, key=score.__getitem__)
-        chosen[qtype.name] = best if score[best] < score[default] * (1 - MARGIN) else default
+            for knob in picks:
+                _C.set_tuning(int(qtype), knob, 0)
+        chosen[qtype.name] = picks
     return chosen
 
 
@@ -97,20 +142,24 @@ def _stored(path: Path) -> dict:
         return {}
 
 
-def _set(chosen: dict[str, int]) -> dict[str, int]:
-    """Sets what is valid here; a name or count this build does not know is skipped (the file may
-    be edited, or written by another version)."""
-    done = {}
-    for name, rows in chosen.items():
-        try:
-            _C.set_weight_rows(int(T[name]), int(rows))
-            done[name] = int(rows)
-        except (KeyError, ValueError, TypeError, RuntimeError):
-            log.warning("kernel tuning: ignoring %s=%r (not a choice of this build)", name, rows)
+def _set(chosen: dict) -> dict[str, dict[str, int]]:
+    """Sets what is valid here; a format, knob or value this build does not know is skipped (the
+    file may be edited, or written by another version)."""
+    done: dict[str, dict[str, int]] = {}
+    for name, knobs in chosen.items():
+        if not isinstance(knobs, dict):
+            log.warning("kernel tuning: ignoring %s=%r (not a table of knobs)", name, knobs)
+            continue
+        for knob, value in knobs.items():
+            try:
+                _C.set_tuning(int(T[name]), str(knob), int(value))
+                done.setdefault(name, {})[knob] = int(value)
+            except (KeyError, ValueError, TypeError, RuntimeError):
+                log.warning("kernel tuning: ignoring %s %s=%r (not a choice of this build)", name, knob, value)
     return done
 
 
-def apply(retune: bool | None = None, path: Path | None = None) -> dict[str, int]:
+def apply(retune: bool | None = None, path: Path | None = None) -> dict[str, dict[str, int]]:
     """This host's choices, set for the kernel level in use: stored, or measured and stored. Once a
     process (per level), unless `retune`."""
     global _applied
