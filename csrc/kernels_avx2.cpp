@@ -328,8 +328,7 @@ void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
   __m256i Hn = lanes128<NT>(w, row_bytes, 0), Rn = k4_scales_mins(Hn);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* wb = w + b * kBB<QT>;
-    #pragma GCC unroll 8
-    for (int j = 0; j < NT; j++) prefetch_block<kBB<QT>>(wb + j * row_bytes + pf);
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
     const __m256i H = Hn, R = Rn;
     if (b + 1 < nb) {
       Hn = lanes128<NT>(wb + kBB<QT>, row_bytes, 0);
@@ -417,10 +416,10 @@ void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, in
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
-      prefetch_block<kBB<QT>>(p + pf);
       const __m128i s8 = _mm_loadu_si128((const __m128i*)(p + 192));
       const __m256i s16 = _mm256_cvtepi8_epi16(s8);
       // even scales in lane 0, odd in lane 1: chunk c's scales (2c, 2c + 1) are word c of each lane
@@ -490,10 +489,10 @@ void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
   const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
-      prefetch_block<kBB<QT>>(p + pf);
       __m256i sc16, mn16;
       float D, Dm;
       kscales<QT>(p, sc16, mn16, D, Dm);

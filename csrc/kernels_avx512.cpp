@@ -335,8 +335,7 @@ void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
   __m512i Hn = lanes128<NT>(w, row_bytes, 0), Rn = k4_scales_mins(Hn);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* wb = w + b * kBB<QT>;
-    #pragma GCC unroll 8
-    for (int j = 0; j < NT; j++) prefetch_block<kBB<QT>>(wb + j * row_bytes + pf);
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
     const __m512i H = Hn, R = Rn;
     if (b + 1 < nb) {
       Hn = lanes128<NT>(wb + kBB<QT>, row_bytes, 0);
@@ -401,10 +400,10 @@ void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, in
   const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* wb = w + b * kBB<QT>;
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const uint8_t* p = wb + j * row_bytes;
-      prefetch_block<kBB<QT>>(p + pf);
       const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 192)));
       const __m512i S = _mm512_castsi256_si512(s16);
       const float D = half_f16c(p + 208);
@@ -463,10 +462,10 @@ void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
   const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   for (int64_t b = 0; b < nb; b++) {
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
       const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
-      prefetch_block<kBB<QT>>(p + pf);
       __m256i sc, mn16;
       float D, Dm;
       kscales<QT>(p, sc, mn16, D, Dm);
