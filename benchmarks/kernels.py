@@ -5,7 +5,9 @@ int4/int8 weight-only kernels (the kernels the `auto` path used before ours).
     .venv/bin/python benchmarks/kernels.py                                   # this CPU's best level
     ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/kernels.py          # the avx2 level (and ATen's)
 
-Weights are never cache-resident: each timing rotates over distinct matrices carved from a pool of
+The kernels run with the host's tuning (kernels/tuning.py: measured and stored at the first call
+where none is stored; `WALLBREAKER_KERNEL_TUNING=0` for each level's defaults). Weights are never
+cache-resident: each timing rotates over distinct matrices carved from a pool of
 --pool-mb (default 512) MB, far beyond the last-level cache. Each figure is the median of --repeats
 passes over the pool (the best pass is kept too: on a shared machine a pass can lose a thread to
 another process for a whole scheduler tick). Results merge into benchmarks/results/kernels.json
@@ -30,6 +32,7 @@ import gguf
 import torch
 
 from wallbreaker import kernels
+from wallbreaker.kernels import tuning
 from wallbreaker.formats.dequant import block_info
 from wallbreaker.measure.machine import measure_bandwidth, timed
 
@@ -80,6 +83,7 @@ def set_scales(pool: torch.Tensor, fmt: str, k: int) -> None:
 
 def bench_ours(pool, fmt, level, repeats, rows, cache=False):
     kernels.set_isa(level)
+    tuning.apply()  # the host's stored choices, as a model load sets them (WALLBREAKER_KERNEL_TUNING=0: defaults)
     qtype = T[fmt]
     block, size = block_info(qtype)
     out = []

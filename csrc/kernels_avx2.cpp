@@ -208,13 +208,8 @@ inline __m256 halves8(const uint8_t* p, int64_t cnt) {
 
 template <int QT, int MT, int NT, bool PAIR>
 inline void pair_step(const uint8_t* w, int64_t row_bytes, int64_t qoff, const ActQ8& a, int64_t m, int64_t g,
-                      int64_t G, int64_t i, int64_t k, const __m256* dw, const __m256* dx, __m256 (*acc)[NT],
-                      int64_t pf) {
+                      int64_t G, int64_t i, int64_t k, const __m256* dw, const __m256* dx, __m256 (*acc)[NT]) {
   constexpr int QB = kQB<QT>;
-  if (i == 0)
-    #pragma GCC unroll 8
-    for (int j = 0; j < NT; j++)
-      for (int l = 0; l < 4 * QB; l += 64) prefetch(w + j * row_bytes + qoff + 4 * g * QB + pf + l);
   // scale lanes: 0-3 block k of the 8-block window, 4-7 block k + 1 (PAIR) or k
   const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)k), _mm256_setr_epi32(0, 0, 0, 0, PAIR, PAIR, PAIR, PAIR));
   #pragma GCC unroll 8
@@ -233,7 +228,7 @@ inline void pair_step(const uint8_t* w, int64_t row_bytes, int64_t qoff, const A
 
 template <int QT, int MT, int NT>
 void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
-  const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb;
+  const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb, groups = (nb + 3) / 4;
   const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
   __m256 acc[MT][NT];
   #pragma GCC unroll 8
@@ -257,24 +252,24 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     }
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
-      const uint8_t* s0 = w + j * row_bytes + 2 * g8 + pf;
-      prefetch(s0);
-      if (kHasMin<QT>) prefetch(s0 + 2 * nb);
       dw[j] = halves8(w + j * row_bytes + 2 * g8, cnt);
       if (MT == 1) dw[j] = _mm256_mul_ps(dw[j], dx[0]);
     }
     if (cnt == 8) {  // two full groups
       const int64_t g = g8 / 4;
-      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, 0, 0, dw, dx, acc, pf);
-      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, 2, 2, dw, dx, acc, pf);
-      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g + 1, 4, 0, 4, dw, dx, acc, pf);
-      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g + 1, 4, 2, 6, dw, dx, acc, pf);
+      prefetch_tile_share(w, NT * row_bytes, groups, g, pf);
+      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, 0, 0, dw, dx, acc);
+      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, 2, 2, dw, dx, acc);
+      prefetch_tile_share(w, NT * row_bytes, groups, g + 1, pf);
+      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g + 1, 4, 0, 4, dw, dx, acc);
+      pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g + 1, 4, 2, 6, dw, dx, acc);
     } else {
       for (int64_t gi = 0; gi < cnt; gi += 4) {  // the groups of this window
         const int64_t g = (g8 + gi) / 4, G = nb - 4 * g < 4 ? nb - 4 * g : 4;
+        prefetch_tile_share(w, NT * row_bytes, groups, g, pf);
         int64_t i = 0;
-        for (; i + 2 <= G; i += 2) pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, G, i, gi + i, dw, dx, acc, pf);
-        if (i < G) pair_step<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, G, i, gi + i, dw, dx, acc, pf);
+        for (; i + 2 <= G; i += 2) pair_step<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, G, i, gi + i, dw, dx, acc);
+        if (i < G) pair_step<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, G, i, gi + i, dw, dx, acc);
       }
     }
   }

@@ -177,7 +177,7 @@ inline void group_codes(const uint8_t* c, int64_t G, __m512i& lo, __m512i& hi) {
 
 template <int QT, int MT, int NT, bool FULL>
 inline void group_dot(const uint8_t* w, int64_t row_bytes, int64_t qoff, const ActQ8& a, int64_t m, int64_t g,
-                      int64_t G, __m512i idx, const __m512* dw, const __m512* dx, __m512 (*acc)[NT], int64_t pf) {
+                      int64_t G, __m512i idx, const __m512* dw, const __m512* dx, __m512 (*acc)[NT]) {
   constexpr int QB = kQB<QT>;
   const __mmask64 kx = bytes_mask(16 * G);
   __m512 sx[MT];
@@ -185,8 +185,6 @@ inline void group_dot(const uint8_t* w, int64_t row_bytes, int64_t qoff, const A
   for (int i = 0; i < MT; i++) sx[i] = _mm512_permutexvar_ps(idx, dx[i]);
 #pragma GCC unroll 8
   for (int j = 0; j < NT; j++) {
-#pragma GCC unroll 8
-    for (int l = 0; l < 4 * QB; l += 64) prefetch(w + j * row_bytes + qoff + 4 * g * QB + pf + l);
     __m512i lo, hi;
     group_codes<QT, FULL>(w + j * row_bytes + qoff + 4 * g * QB, G, lo, hi);
     const __m512 sw = _mm512_permutexvar_ps(idx, dw[j]);
@@ -212,7 +210,7 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
   const __m512i idx0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const int64_t nfull = nb / 4;  // full groups
+  const int64_t nfull = nb / 4, groups = (nb + 3) / 4;  // full groups, all groups
   for (int64_t g16 = 0; g16 < nb; g16 += 16) {
     const int64_t cnt = nb - g16 < 16 ? nb - g16 : 16;
     const __mmask16 k16 = (__mmask16)((1u << cnt) - 1);
@@ -229,25 +227,20 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
     }
     #pragma GCC unroll 8
     for (int j = 0; j < NT; j++) {
-      const uint8_t* s0 = w + j * row_bytes + 2 * g16 + pf;
-      prefetch(s0);
-      prefetch(s0 + 31);
-      if (kHasMin<QT>) {
-        prefetch(s0 + 2 * nb);
-        prefetch(s0 + 2 * nb + 31);
-      }
       dw[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k16, w + j * row_bytes + 2 * g16));
       if (MT == 1) dw[j] = _mm512_mul_ps(dw[j], dx[0]);
     }
     const int64_t gend = (g16 + cnt) / 4 < nfull ? (g16 + cnt) / 4 : nfull;
     int64_t g = g16 / 4;
     for (; g < gend; g++) {
+      prefetch_tile_share(w, NT * row_bytes, groups, g, pf);
       const __m512i idx = _mm512_add_epi32(idx0, _mm512_set1_epi32((int)(4 * (g % 4))));
-      group_dot<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, idx, dw, dx, acc, pf);
+      group_dot<QT, MT, NT, true>(w, row_bytes, qoff, a, m, g, 4, idx, dw, dx, acc);
     }
     if (4 * g < g16 + cnt) {  // the row's last group, short
+      prefetch_tile_share(w, NT * row_bytes, groups, g, pf);
       const __m512i idx = _mm512_add_epi32(idx0, _mm512_set1_epi32((int)(4 * (g % 4))));
-      group_dot<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, nb - 4 * g, idx, dw, dx, acc, pf);
+      group_dot<QT, MT, NT, false>(w, row_bytes, qoff, a, m, g, nb - 4 * g, idx, dw, dx, acc);
     }
   }
   store_sums<MT, NT>(acc, out, m, ldo);

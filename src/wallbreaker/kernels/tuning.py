@@ -2,9 +2,9 @@
 this host and kept in `<cache>/kernel_tuning.json`, keyed by the CPU model and the kernel level:
 
 - `rows_m1`, `rows_m1_long`: the weight rows a batch-1 tile takes (1, 2 or 4), for rows of at most
-  4096 values and for longer ones. Which keeps the memory busy depends on the CPU's prefetchers: on
-  a Zen 4, 4 interleaved rows of 1,536 values read at half the bandwidth that one row at a time
-  does, and rows of 8,960 values the other way round.
+  4096 values and for longer ones. Which keeps the memory busy depends on the CPU's prefetchers and
+  the format's arithmetic: on a Zen 4, Q4_K streams fastest at 4, Q6_K at 2, the 32-block formats'
+  rows of 1,536 values at 1 and their rows of 8,960 values at 4.
 - `prefetch`: how far ahead of a tile the software prefetch runs (2 to 16 KB).
 - `rows`: the weight rows a tile takes in calls of several activation rows (a few sequences'
   decode, a verification, a batch), where the arithmetic, not the memory, is the bound.
