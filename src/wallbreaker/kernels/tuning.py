@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -84,8 +83,10 @@ def _seconds_a_call(fn, pool: list[torch.Tensor]) -> float:
 
 def _choose(qtype: T, knob: str, cases: list[tuple[torch.Tensor, list[torch.Tensor]]], repeats: int) -> int:
     """The fastest value of `knob` for qtype over `cases` (activations, weight pool): per value, the
-    median of `repeats` passes (the values interleaved in each), summed over the cases relative to
-    the best value of each; the level's default unless another beats it by MARGIN."""
+    best of `repeats` passes (the values interleaved in each), summed over the cases relative to the
+    best value of each; the level's default unless another beats it by MARGIN. The best pass, not
+    the median: a neighbour only ever slows a pass, and on a shared host the read bandwidth swings
+    within a minute (32-58 GB/s on a Zen 4), more than the knobs' differences."""
     choices, default = _C.tuning_choices(knob), _C.tuning(int(qtype), knob)
     score = dict.fromkeys(choices, 0.0)
     try:
@@ -96,10 +97,10 @@ def _choose(qtype: T, knob: str, cases: list[tuple[torch.Tensor, list[torch.Tens
                     _C.set_tuning(int(qtype), knob, c)
                     _C.qmatmul(x, [pool[0]], [int(qtype)])  # warm the tile's code
                     times[c].append(_seconds_a_call(lambda w: _C.qmatmul(x, [w], [int(qtype)]), pool))
-            medians = {c: statistics.median(t) for c, t in times.items()}
-            best = min(medians.values())
+            fastest = {c: min(t) for c, t in times.items()}
+            best = min(fastest.values())
             for c in choices:
-                score[c] += medians[c] / best
+                score[c] += fastest[c] / best
     finally:
         _C.set_tuning(int(qtype), knob, 0)
     best = min(choices, key=score.__getitem__)
@@ -107,7 +108,7 @@ def _choose(qtype: T, knob: str, cases: list[tuple[torch.Tensor, list[torch.Tens
 
 
 def measure(formats=FORMATS, rows=ROWS, short=SHORT, long=LONG, pool_mb: int | None = None,
-            repeats: int = 5) -> dict[str, dict[str, int]]:
+            repeats: int = 7) -> dict[str, dict[str, int]]:
     """This host's choices for each format the level has tiles for: the batch-1 weight rows (short
     and long rows) and prefetch distance on a pool beyond the last-level cache, then the weight
     rows of several-row calls. Each knob is timed with the ones chosen before it set."""
