@@ -72,7 +72,8 @@ def main() -> None:
             print(f"{name}: the {_C.isa()} level has no tiles for it")
             continue
         for n, k in SHAPES:
-            if k % gguf.GGML_QUANT_SIZES[qtype][0] or (args.knob == "rows_m1_long") != (k > 4096):
+            batch1_class = {"rows_m1": k <= 4096, "rows_m1_long": k > 4096}.get(args.knob, True)
+            if k % gguf.GGML_QUANT_SIZES[qtype][0] or not batch1_class:  # the shapes the knob serves
                 continue
             for m in (int(r) for r in args.rows.split(",")):
                 us = measure(qtype, args.knob, n, k, m, args.rounds, args.calls, args.pool_mb)
