@@ -59,8 +59,10 @@ def _gap(text: str, final: bool) -> str:
 
 
 def _settled(body: str) -> str:
-    cut = body.rfind("<|")
-    return body if cut < 0 or "|>" in body[cut:] else body[:cut]
+    """`body` less an end that may be the start of a marker (`<`, `<|en`)."""
+    cut = body.rfind("<")
+    tail = body[cut:]
+    return body[:cut] if cut >= 0 and (tail == "<" or tail.startswith("<|")) and "|>" not in tail else body
 
 
 class HarmonyReasoning:

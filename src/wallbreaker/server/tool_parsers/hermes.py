@@ -28,7 +28,7 @@ class HermesParser(ToolParser):
     def holdback(self, text: str) -> int:
         """With tools declared, an output that opens as JSON or a fence may be a call: all held."""
         head = text.lstrip()
-        if self.tools and (not head or head.startswith(("{", "```")) or "```".startswith(head)):
+        if self.tools and (not head or head.startswith(("{", "[", "```")) or "```".startswith(head)):
             return len(text)
         return super().holdback(text)
 
