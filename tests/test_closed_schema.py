@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from wallbreaker import LLM, SamplingParams
+from wallbreaker import LLM
 from wallbreaker.engine.closed_schema import closed
 from wallbreaker.sampling_params import StructuredOutputsParams
 

@@ -24,7 +24,8 @@ TOOLS = [
                                           "required": ["zone"]}}},
 ]
 ONE_CALL = [("get_weather", {"city": "Paris", "days": 3, "metric": True})]
-TWO_CALLS = [("get_weather", {"city": "Oslo", "days": 2, "metric": False}), ("get_time", {"zone": "CET", "offset": 1.5})]
+TWO_CALLS = [("get_weather", {"city": "Oslo", "days": 2, "metric": False}),
+             ("get_time", {"zone": "CET", "offset": 1.5})]
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,8 @@ def deepseek_tool_listing(tools: list[dict]) -> str:
         f = t["function"]
         parts.append(f"\n### {f['name']}\nDescription: {f.get('description') or ''}\n\n"
                      f"Parameters: {json.dumps(f.get('parameters') or {}, ensure_ascii=False)}\n")
-    parts.append(f"\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n{CALLS_BEGIN}{CALL_BEGIN}tool_call_name"
-                 f"{SEP}tool_call_arguments{CALL_END}{{additional_tool_calls}}{CALLS_END}\n\nWhere:\n"
+    parts.append("\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+                 f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{SEP}tool_call_arguments{CALL_END}{{additional_tool_calls}}{CALLS_END}\n\nWhere:\n"
                  "- `tool_call_name` must be an exact match to one of the available tools\n"
                  "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
                  "- For multiple tool calls, chain them directly without separators or spaces")

@@ -3,8 +3,8 @@
 
 A value is text; it is typed by the parameter's type in the function's schema as Qwen's own
 parser (qwen3coder_tool_parser.py) does: strings stay strings, integers and numbers are read as
-numbers (a whole number as an integer), booleans from true/false, objects and arrays as JSON (else a Python literal); `null` is
-null; a value that does not read as its type, or of an undeclared parameter, stays a string."""
+numbers (a whole number as an integer), booleans from true/false, objects and arrays as JSON
+(else a Python literal); `null` is null; a value that does not read as its type, or of an undeclared parameter, stays a string."""
 from __future__ import annotations
 
 import ast
