@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from tool_formats import FAMILIES, TOOLS, TWO_CALLS
+from tool_formats import FAMILIES, TEMPLATES, TOOLS, TWO_CALLS, tool_call
 
 from wallbreaker import LLM, SamplingParams
 from wallbreaker.server.harmony import HarmonyReasoning, harmony_split
 from wallbreaker.server.reasoning import Split
-from wallbreaker.server.tool_parsers import HarmonyParser, HermesParser, Qwen3CoderParser
+from wallbreaker.formats.chat_template import ChatTemplate
+from wallbreaker.server.tool_parsers import DeepSeekParser, HarmonyParser, HermesParser, Qwen3CoderParser
 from wallbreaker.server.tools import ToolStream
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -117,3 +118,17 @@ def test_special_tokens_stay_in_the_text_when_not_skipped(tiny_llama):
     kept = llm.generate(["Hi"], SamplingParams(**params, skip_special_tokens=False))[0].outputs[0].text
     skipped = llm.generate(["Hi"], SamplingParams(**params))[0].outputs[0].text
     assert kept == "<|im_start|><|im_start|>" and skipped == ""
+
+
+def test_deepseek_v3_and_r1_calls_as_r1s_template_writes_them():
+    """V3 and R1 write `function<｜tool▁sep｜>NAME` and the arguments in a ```json fence (V3.1's form,
+    NAME<｜tool▁sep｜>{...}, is in test_tool_formats.py)."""
+    template = ChatTemplate((TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text(), "<s>", "</s>")
+    calls = [tool_call(name, args, i) for i, (name, args) in enumerate(TWO_CALLS)]
+    message = {"role": "assistant", "content": "", "tool_calls": calls}
+    rendered = template.render([{"role": "user", "content": "Hi"}, message], add_generation_prompt=False)
+    start, end = rendered.index("<｜tool▁calls▁begin｜>"), rendered.index("<｜tool▁calls▁end｜>")
+    output = "Let me look both up." + rendered[start:end + len("<｜tool▁calls▁end｜>")]
+    assert "function<｜tool▁sep｜>get_time\n```json\n" in output
+    content, calls = DeepSeekParser(TOOLS).parse(output)
+    assert content == "Let me look both up." and named(calls) == TWO_CALLS
