@@ -196,3 +196,16 @@ def test_a_call_that_does_not_parse_comes_back_as_text(family_app, family):
             client.post("/v1/chat/completions", json={**body, "stream": True})) if c["choices"])
     assert not message.get("tool_calls")
     assert "Paris" in message["content"] and "Paris" in streamed
+
+
+@pytest.mark.parametrize("output", ['```json\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3, '
+                                    '"metric": true}}\n```', '{"name": "get_weather", "arguments": {"city": "Paris", '
+                                    '"days": 3, "metric": true}}'], ids=["fenced", "bare"])
+def test_qwen25_coders_untagged_call_of_a_declared_tool_is_a_call_in_every_api(family_app, output):
+    """What Qwen2.5-Coder writes in every client tried (issue 47): the call without its tags."""
+    app = family_app(FAMILIES["qwen2.5"])
+    app.script = output
+    with app_client(app) as client:
+        for api, get in API_CALLS.items():
+            for stream in (False, True):
+                assert get(client, FAMILIES["qwen2.5"], stream) == ONE_CALL, (api, stream)
