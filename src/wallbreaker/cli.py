@@ -49,6 +49,7 @@ HELP = {
     "stop_token_ids": "a token id that ends the output (repeatable)",
     "ignore_eos": "keep generating past the model's end-of-sequence token",
     "include_stop_str_in_output": "keep the stop string that ended the output",
+    "skip_special_tokens": "leave special tokens (<|im_end|>, tool-call markers) out of the text",
     "method": "how to round (mixed: a width per tensor to meet --bits on average)",
     "bits": "2..8; for mixed, the target average (e.g. 3.5)",
     "group_size": "inputs per scale (default: 128; 32 for a .gguf output)",
