@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import tuning
 from .machine import MIN_STORED_BUFFER_MIB, MachineProfile, describe_machine, machine_facts, measure, store_profile
 from .reporting import fmt, markdown_table, write_json
 from .roofline import DecodeCost, llm_cost, machine_profile, roofline_fraction
@@ -128,6 +129,7 @@ def run(args: argparse.Namespace, options: dict) -> int:
     if args.decode_tokens <= 0:
         args.decode_tokens = 0
     llm = load(args, options, threads)
+    lines += tuning.describe() + [""]  # after the load, which tunes where nothing is stored
     measured = real_run(llm, args) if args.decode_tokens else None
     cost = llm_cost(llm)
     kv_dtype = str(llm.kv_cache.tensor.dtype).removeprefix("torch.")
