@@ -19,12 +19,12 @@ larger than the last-level cache, as a decode step reads them.
 `apply()` runs at the first load of a packed-weight model in a process: the stored choices for this
 CPU and level, or, where none are stored, a measurement of a few seconds, then stored with when it
 ran and a probe: the seconds of one fixed call (Q8_0 at the level's defaults, batch 1, over the
-pool), best of PROBE_PASSES. A neighbour that took a core during the measurement slowed the probe
-too, so the next CHECKS loads time the probe again (a fraction of a second) and measure everything
-again where it now runs RETIME_MARGIN faster than when the choices were made: a busy first run does
-not stay the host's truth. Each re-measurement needs a probe that much faster than the last, so it
-converges on the idlest hour's choices. `wallbreaker roofline` shows the choices and when they were
-timed (`describe`). `WALLBREAKER_RETUNE=1` measures again; `WALLBREAKER_KERNEL_TUNING=0` keeps each
+pool), best of PROBE_PASSES, taken before and after the measurement, the slower kept. A neighbour
+that took a core during the measurement slowed a probe too, so the next CHECKS loads time the probe
+again (a fraction of a second) and measure everything again where it now runs RETIME_MARGIN faster
+than when the choices were made: a busy first run does not stay the host's truth, and at most
+CHECKS loads pay for a probe. `wallbreaker roofline` shows the choices and when they were timed
+(`describe`). `WALLBREAKER_RETUNE=1` measures again; `WALLBREAKER_KERNEL_TUNING=0` keeps each
 level's defaults.
 """
 from __future__ import annotations
@@ -174,12 +174,14 @@ def probe(shape: tuple[int, int] = SHORT, pool_mb: int | None = None, passes: in
 
 
 def _tune(timer: Timer, checks: int = 0, retimed: int = 0) -> dict:
-    """A stored entry: the choices, when they were timed, the probe right after, and the later
-    loads' bookkeeping."""
+    """A stored entry: the choices, when they were timed, the slower of the probes just before and
+    just after (a neighbour busy at either end slowed the measurement between), and the later loads'
+    bookkeeping."""
     start = time.perf_counter()
+    before = probe(timer=timer)
     picks = measure(timer=timer)
     return {"picks": picks, "timed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "seconds": round(time.perf_counter() - start, 1), "probe_s": probe(timer=timer),
+            "seconds": round(time.perf_counter() - start, 1), "probe_s": max(before, probe(timer=timer)),
             "checks": checks, "retimed": retimed}
 
 
