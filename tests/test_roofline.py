@@ -146,6 +146,7 @@ def test_roofline_verb_prints_bounds_and_the_fraction_reached(tiny_llama, cache)
                      "--json", str(cache / "roofline.json"), env={"WALLBREAKER_CACHE": str(cache)})
     assert result.returncode == 0, result.stderr
     assert "Memory bound" in result.stdout and "of the batch-1 bound" in result.stdout
+    assert "Kernel tuning (" in result.stdout  # this CPU's key, and the picks (here: off)
     assert not (cache / "machine.json").exists()  # cache-sized buffers are not stored
     report = json.loads((cache / "roofline.json").read_text())
     assert report["run"]["roofline_fraction"] > 0

@@ -269,6 +269,8 @@ def apply(retune: bool | None = None, path: Path | None = None,
 def describe(path: Path | None = None) -> list[str]:
     """The stored choices for this host and level, and when they were timed (for `roofline`)."""
     key = host_key()
+    if os.environ.get("WALLBREAKER_KERNEL_TUNING", "1") == "0":
+        return [f"Kernel tuning ({key}): off (WALLBREAKER_KERNEL_TUNING=0), each level's default tiles."]
     entry = _stored(path or tuning_path()).get(key)
     if not _valid(entry):
         return [f"Kernel tuning ({key}): none stored yet (the first load of a packed model measures it)."]
