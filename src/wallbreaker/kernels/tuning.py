@@ -254,7 +254,7 @@ def apply(retune: bool | None = None, path: Path | None = None,
     if retune or not _valid(entry):
         entry = _tune(timer)
         log.info("kernel tuning for %s: %s (%.1f s), stored in %s", key, entry["picks"], entry["seconds"], path)
-    elif entry.get("checks", 0) < CHECKS:
+    elif entry.get("checks", 0) < CHECKS and entry["picks"]:  # (a level without tiles has nothing to redo)
         entry = _checked(entry, timer)
     else:
         entry = None
