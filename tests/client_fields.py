@@ -21,6 +21,7 @@ from typing import Any
 KIND_FIELDS = {"type", "role", "effort", "summary", "verbosity", "tool_choice", "wire_api", "truncation",
                "service_tier", "include", "encoding_format", "detail", "status", "reasoning_effort", "mode"}
 SCHEMA_FIELDS = {"input_schema", "parameters", "schema"}
+OPAQUE_FIELDS = {"input", "arguments"}
 
 
 def _schema_keywords(schema: Any, out: set[str]) -> None:
@@ -57,6 +58,8 @@ def body_shapes(body: Any, path: str = "") -> set[str]:
                 keywords: set[str] = set()
                 _schema_keywords(value, keywords)
                 shapes.add(f"{sub}: schema({','.join(sorted(keywords))})")
+            elif key in OPAQUE_FIELDS and isinstance(value, dict) and path.endswith("[]"):
+                shapes.add(f"{sub}: object")  # a tool call's arguments: the tool's fields, not the API's
             elif key in KIND_FIELDS and isinstance(value, str):
                 shapes.add(f"{sub}={value}")
             elif key in KIND_FIELDS and isinstance(value, list) and all(isinstance(v, str) for v in value):
