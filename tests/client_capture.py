@@ -2,10 +2,11 @@
 
 It forwards every request unchanged and streams the answer back, and writes one JSON file per
 request to a folder: method, path, query, the names of the headers (never their values: they carry
-keys), the JSON body, and the status with the error body when the server refused it. This is how
-the fields each client sends were found (docs/clients.md); the captured bodies hold other programs'
-prompt text, so they stay outside the repository and only synthetic look-alikes are committed
-(tests/data/client_bodies/).
+keys), the JSON body, the status with the error body when the server refused it, and when the
+answer's first byte, first generated token and last byte came (seconds after the request). This is
+how the fields each client sends were found (docs/clients.md), and how a client's turn is timed; the
+captured bodies hold other programs' prompt text, so they stay outside the repository and only
+synthetic look-alikes are committed (tests/data/client_bodies/).
 
     python tests/client_capture.py --upstream http://127.0.0.1:8000 --port 8100 --out /tmp/capture/claude
 """
@@ -33,6 +34,12 @@ from starlette.routing import Route
 _DROPPED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 
 
+# Generated text or tool-call arguments in a streamed (or whole) answer of any of the four APIs:
+# where the first token reaches the client (a ping or an empty first delta does not count)
+_GENERATED = re.compile(rb'"(text_delta|input_json_delta|response\.output_text\.delta|response\.function_call_arguments\.delta)"'
+                        rb'|"(content|response|arguments)": ?"[^"]')
+
+
 def _parse_body(raw: bytes) -> Any:
     if not raw:
         return None
@@ -48,19 +55,20 @@ def capture_app(upstream: str, out_dir: Path) -> Starlette:
     counter = itertools.count(len(list(out_dir.glob("*.json"))) + 1)
     client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None))
 
-    def record(request: Request, raw: bytes, status: int, error: bytes | None) -> None:
-        n = next(counter)
+    def record(n: int, request: Request, raw: bytes, status: int, error: bytes | None,
+               timing: dict[str, float | None] | None = None) -> None:
         name = re.sub(r"[^A-Za-z0-9]+", "_", request.url.path).strip("_") or "root"
         entry = {
             "method": request.method, "path": request.url.path, "query": request.url.query,
             "header_names": sorted({k.lower() for k in request.headers.keys()}),
             "content_type": request.headers.get("content-type"),
             "body": _parse_body(raw), "status": status,
-            "error": _parse_body(error) if error is not None else None,
+            "error": _parse_body(error) if error is not None else None, "timing": timing,
         }
         (out_dir / f"{n:04d}-{request.method}-{name}.json").write_text(json.dumps(entry, indent=1))
 
     async def forward(request: Request) -> Response:
+        n, start = next(counter), time.monotonic()
         raw = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
         upstream_request = client.build_request(request.method, request.url.path, params=request.url.query,
@@ -69,16 +77,22 @@ def capture_app(upstream: str, out_dir: Path) -> Starlette:
         if answer.status_code >= 400:
             error = await answer.aread()
             await answer.aclose()
-            record(request, raw, answer.status_code, error)
+            record(n, request, raw, answer.status_code, error)
             return Response(error, status_code=answer.status_code, headers=_answer_headers(answer))
-        record(request, raw, answer.status_code, None)
 
         async def chunks() -> AsyncIterator[bytes]:
+            timing: dict[str, float | None] = {"first_byte_s": None, "first_token_s": None, "total_s": None}
             try:
                 async for chunk in answer.aiter_raw():
+                    now = round(time.monotonic() - start, 3)
+                    timing["first_byte_s"] = timing["first_byte_s"] or now
+                    if timing["first_token_s"] is None and _GENERATED.search(chunk):
+                        timing["first_token_s"] = now
                     yield chunk
             finally:
                 await answer.aclose()
+                timing["total_s"] = round(time.monotonic() - start, 3)
+                record(n, request, raw, answer.status_code, None, timing)
         return StreamingResponse(chunks(), status_code=answer.status_code, headers=_answer_headers(answer))
 
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
