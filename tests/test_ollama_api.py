@@ -169,7 +169,6 @@ def test_tags_show_ps_and_version_describe_the_model_served(client, url, tiny_ll
 
 BAD = {
     "malformed JSON": ("/api/chat", b'{"model": "model", "messages": [', 400, "not valid JSON"),
-    "unknown model": ("/api/chat", {"model": "llama3:8b", "messages": USER}, 404, "llama3:8b"),
     "unsupported option": ("/api/chat", {"model": "model", "messages": USER, "options": {"penalize_newline": True}},
                            400, "penalize_newline"),
     "schema that does not compile": ("/api/chat", {"model": "model", "messages": USER, "format": {"type": "nonsense"}},
@@ -177,10 +176,8 @@ BAD = {
     "unknown role": ("/api/chat", {"model": "model", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     "images": ("/api/chat", {"model": "model", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
                400, "images"),
-    "unknown field": ("/api/generate", {"model": "model", "prompt": "x", "adapter": "y"}, 400, "adapter"),
     "suffix without FIM tokens": ("/api/generate", {"model": "model", "prompt": "x", "suffix": "y"}, 400,
                                   "fill-in-the-middle"),
-    "show an unknown model": ("/api/show", {"model": "mistral"}, 404, "mistral"),
 }
 
 

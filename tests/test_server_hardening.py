@@ -99,11 +99,23 @@ def test_prompt_characters_are_checked_before_tokenizing(tiny_llama, monkeypatch
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_prompt_plus_max_tokens_past_the_context_is_400_not_a_stream_error(tiny_llama, stream):
+def test_max_tokens_past_the_context_is_clamped_to_it_with_a_length_stop(tiny_llama, stream):
+    """As llama-server and Ollama do (Claude Code asks for 32,000 tokens of any model)."""
     with app_client(make_app(tiny_llama.gguf_path, max_model_len=64)) as c:
-        assert_openai_error(post(c, {**OK, "max_tokens": 64, "stream": stream}), 400, "max_tokens")
-        assert_openai_error(post(c, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**12,
-                                     "stream": stream}, "/v1/chat/completions"), 400, "max_tokens")
+        for path, body in (("/v1/completions", {**OK, "max_tokens": 64, "ignore_eos": True}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 10**12, "ignore_eos": True})):
+            response = post(c, {**body, "stream": stream, "stream_options": {"include_usage": True}} if stream
+                            else body, path)
+            assert response.status_code == 200, response.text
+            if stream:
+                chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                          if line.startswith("data: {")]
+                finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+                usage = chunks[-1]["usage"]
+            else:
+                finish, usage = response.json()["choices"][0]["finish_reason"], response.json()["usage"]
+            assert finish == "length" and usage["prompt_tokens"] + usage["completion_tokens"] == 64
 
 
 # -- Host, content type, connections ---------------------------------------------------------------
@@ -122,11 +134,38 @@ def test_allowed_hosts_and_a_wildcard_bind(tiny_llama):
         assert_openai_error(c.get("/health"), 400)  # localhost is not in the list
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
-def test_posts_must_be_json_typed(client, content_type):
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_json_body_is_read_whatever_its_content_type(client, content_type):
+    """Ollama's and llama-server's documented `curl -d` sends a form type, or none."""
     headers = {"Content-Type": content_type} if content_type else {}
-    response = client.post("/v1/completions", content=json.dumps(OK), headers=headers)
-    assert_openai_error(response, 415)
+    for path in ("/v1/completions", "/v1/chat/completions", "/api/generate", "/api/chat"):
+        body = OK if path == "/v1/completions" else \
+            {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": False, "options": {"num_predict": 2}} \
+            if path == "/api/chat" else {"model": "m", "prompt": "Hi", "stream": False, "options": {"num_predict": 2}} \
+            if path == "/api/generate" else {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        response = client.post(path, content=json.dumps(body), headers=headers)
+        assert response.status_code == 200, (path, response.text)
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "https://localhost.evil.example", "null",
+                                    "http://127.0.0.1.evil.example:8000"])
+def test_a_page_of_another_site_is_refused(client, origin):
+    response = client.post("/v1/completions", content=json.dumps(OK), headers={"Origin": origin,
+                                                                               "Content-Type": "text/plain"})
+    assert_openai_error(response, 403)
+    assert client.post("/api/generate", content=json.dumps({"model": "m", "prompt": "Hi"}),
+                       headers={"Origin": origin}).status_code == 403
+
+
+def test_pages_on_localhost_the_servers_own_and_the_allowed_list_pass(tiny_llama):
+    with app_client(make_app(tiny_llama.gguf_path, allowed_origins=("https://*.example.com",))) as c:
+        for origin in ("http://localhost:3000", "http://127.0.0.1", "http://[::1]:8080", "https://app.example.com"):
+            assert post(c, OK, headers={"Origin": origin}).status_code == 200, origin
+        assert_openai_error(post(c, OK, headers={"Origin": "https://example.org"}), 403)
+    with app_client(make_app(tiny_llama.gguf_path, host="0.0.0.0")) as c:  # the chat page, opened from the LAN
+        own = {"Host": "192.0.2.7:8000", "Origin": "http://192.0.2.7:8000"}
+        assert post(c, OK, headers=own).status_code == 200
+        assert_openai_error(post(c, OK, headers={**own, "Origin": "http://192.0.2.8:8000"}), 403)
 
 
 @pytest.mark.slow

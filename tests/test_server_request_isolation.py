@@ -41,7 +41,6 @@ def bad_requests(url: str) -> list[tuple[str, dict, dict, int]]:
     def body(**fields) -> dict:
         return {"content": json.dumps({"prompt": "Hi", "max_tokens": 4, **fields}), "headers": json_headers}
     return [
-        ("max_tokens past the context, ignore_eos (livelock)", body(max_tokens=10**9, ignore_eos=True), {}, 400),
         ("a step that fails on this request", body(prompt=[5, POISON, 9]), {}, 500),
         ("token id past the embedding", body(prompt=[10**6]), {}, 400),
         ("token id in the padded rows", body(prompt=[520]), {}, 400),
@@ -53,7 +52,7 @@ def bad_requests(url: str) -> list[tuple[str, dict, dict, int]]:
         ("a prompt too long to tokenize", body(prompt="word " * 200_000), {}, 400),
         ("a DNS-rebinding Host", body(), {"Host": "evil.example"}, 400),
         ("a text/plain cross-site POST", {"content": json.dumps({"prompt": "Hi"}), "headers": {"Content-Type": "text/plain"}},
-         {}, 415),
+         {"Origin": "http://evil.example"}, 403),
         ("malformed JSON", {"content": b'{"prompt": "Hi", ', "headers": json_headers}, {}, 400),
         ("n past 128", body(n=129), {}, 400),
     ]

@@ -224,7 +224,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, request_timeout=args.request_timeout or None,
         max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
         header_timeout=args.header_timeout, grammar_compile_timeout=args.grammar_compile_timeout,
-        allowed_hosts=tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else None)
+        allowed_hosts=tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else None,
+        allowed_origins=tuple(o for o in (args.allowed_origins or "").split(",") if o.strip()))
     llm = load_llm(args)
     serve(build_app(llm, config), log_level=args.log_level)
     return 0
@@ -329,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host names to answer ('*': any; default: loopback names when bound "
                         "to loopback, any when bound to 0.0.0.0)")
+    p.add_argument("--allowed-origins", default=None,
+                   help="comma-separated Origin patterns of web pages allowed to call the server ('*': any; "
+                        "default: the server's own pages and pages on localhost)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     p = sub.add_parser("perplexity", help="perplexity over a text file (llama-perplexity's windows and scoring)")

@@ -1,14 +1,21 @@
 """Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), as the official
 `anthropic` client and Claude Code speak it: a translation onto the chat handling.
 
-- In: `system` (a string or text blocks); messages of `text`, `tool_use` and `tool_result` blocks
-  (an assistant's `thinking` blocks are accepted and dropped, as chat templates drop earlier
-  reasoning); `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`; `tools` with
+- In: `system` (a string or text blocks; Claude Code's per-prompt billing header block is left out
+  of the prompt, so that the prefix cache can serve the rest); messages of `text`, `tool_use` and
+  `tool_result` blocks, and `system` messages mid-conversation (an assistant's `thinking` blocks are
+  accepted and dropped, as chat templates drop earlier reasoning); `max_tokens` (past the context:
+  clamped, stop reason max_tokens), `stop_sequences`, `temperature`, `top_p`, `top_k`; `tools` with
   `input_schema` and `tool_choice` auto / any / tool / none, through the chat's tool calling (any
   and tool constrain the output to calls that fit the schemas); `output_config.format` (a JSON
-  schema) through structured output. `metadata`, `service_tier`, `cache_control`, `thinking` and
-  `output_config.effort` (no reasoning budget is enforced) and the like are accepted and change
-  nothing (`IGNORED`); any other field is a 400.
+  schema) through structured output.
+- Deferred tools (`defer_loading`, Claude Code's tool search) stay out of the tool list, so that it,
+  and the prompt's prefix, stay the same from turn to turn; a `tool_reference` block in a tool
+  result writes the referenced tool's definition into that result, where the model reads it.
+  Anthropic's server tools (`web_search_20250305`, ...) run on Anthropic's side and are left out.
+- Fields without effect here (`metadata`, `thinking`, `context_management`, `output_config.effort`,
+  `cache_control`, ...) are ignored and logged once (server/ignored.py); an image or document block
+  is a 400 (this server reads text).
 - Out: `text` and `tool_use` blocks (a `thinking` block first where the chat answer carries
   `reasoning_content`), `stop_reason` end_turn / max_tokens / stop_sequence / tool_use, `usage`.
   Streamed as Anthropic's events: `message_start`, per block `content_block_start`,
@@ -31,39 +38,31 @@ from ..engine.client import RequestOutput
 from .error_shapes import anthropic_error
 from .errors import APIError, bad_request, parse_body
 from .prompts import chat_prompt
+from .responses import cached_tokens
 from .protocol import ChatCompletionRequest
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
+from .ignored import ignore_unknown, note_ignored
 from .tools import plan_tools
 from .streaming import event_stream
-from .translate import chat_request, delta_pieces, reasoning_of, refuse_unknown, renamed_params
+from .translate import chat_request, delta_pieces, reasoning_of, renamed_params
 
-# Accepted and without effect here: bookkeeping, routing and caching hints, and reasoning settings.
-IGNORED = frozenset({"metadata", "service_tier", "thinking", "cache_control", "speed", "inference_geo",
-                     "user_profile_id", "workspace_id", "diagnostics"})
 PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format"}
-
-
-class _Closed(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: new with every prompt
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class _Block(BaseModel):
-    """A content block: a field it does not know is refused unless null (clients send back the blocks
-    they were given, with the null fields of newer API versions)."""
+    """Fields it does not declare are ignored, and logged once (server/ignored.py)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     @model_validator(mode="after")
-    def _no_unknown_values(self) -> "_Block":
-        unknown = sorted(k for k, v in (self.model_extra or {}).items() if v is not None)
-        if unknown:
-            raise ValueError(f"the field '{unknown[0]}' of a {getattr(self, 'type', '')} block is not supported")
+    def _log_unknown(self) -> "_Open":
+        ignore_unknown(self, f"/v1/messages {type(self).__name__}")
         return self
+
+
+_Block = _Open
 
 
 def _text_or(blocks: Any) -> Any:
@@ -91,9 +90,34 @@ class ToolUseBlock(_Block):
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: _text_or(TextBlock) | None = None
+    content: _text_or(ResultBlock) | None = None
     is_error: bool | None = None
     cache_control: dict | None = None
+
+
+class ToolReferenceBlock(_Block):
+    """Claude Code's tool search: the tool named is loaded (server/anthropic_messages.py's docstring)."""
+
+    type: Literal["tool_reference"]
+    tool_name: str
+
+
+class MediaBlock(_Block):
+    """An image or a document: refused when the request is translated (this server reads text)."""
+
+    type: Literal["image", "document"]
+
+
+class OtherBlock(_Block):
+    """A block of a type this server never writes nor reads (server tools' results in the history,
+    ...): left out of the prompt, and logged once."""
+
+    type: str
+
+
+ResultBlock = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[ToolReferenceBlock, Tag("tool_reference")]
+                        | Annotated[MediaBlock, Tag("media")] | Annotated[OtherBlock, Tag("other")],
+                        Discriminator(lambda v: _block_tag(v, ("text", "tool_reference")))]
 
 
 class ThinkingBlock(_Block):
@@ -107,35 +131,56 @@ class RedactedThinkingBlock(_Block):
     data: str
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-                  Field(discriminator="type")]
+_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
-class InputMessage(_Closed):
-    role: Literal["user", "assistant"]
+def _block_tag(value: Any, known: tuple[str, ...]) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind in known:
+        return kind
+    return "media" if kind in ("image", "document") else "other"
+
+
+Block = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
+                  | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
+                  | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")] | Annotated[MediaBlock, Tag("media")]
+                  | Annotated[OtherBlock, Tag("other")],
+                  Discriminator(lambda v: _block_tag(v, _BLOCK_TYPES))]
+
+
+class InputMessage(_Open):
+    role: Literal["user", "assistant", "system"]
     content: _text_or(Block)
 
 
-class ToolDefinition(_Closed):
+class ToolDefinition(_Open):
+    """A client tool (`type` custom or left out), or one of Anthropic's server tools (another
+    `type`: left out of the prompt, as their work happens on Anthropic's side)."""
+
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: str | None = None
-    input_schema: dict
-    type: Literal["custom"] | None = None
+    input_schema: dict | None = None
+    type: str | None = None
     cache_control: dict | None = None
+    defer_loading: bool | None = None
+
+    @property
+    def is_client_tool(self) -> bool:
+        return self.type in (None, "custom")
 
 
-class ToolChoice(_Closed):
+class ToolChoice(_Open):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class JsonOutputFormat(_Closed):
+class JsonOutputFormat(_Open):
     type: Literal["json_schema"]
     schema_: dict = Field(alias="schema")
 
 
-class OutputConfig(_Closed):
+class OutputConfig(_Open):
     format: JsonOutputFormat | None = None
     effort: str | None = None  # accepted, without effect (no reasoning budget here)
 
@@ -165,16 +210,55 @@ def _text(blocks: str | list[TextBlock] | None) -> str:
     return "\n".join(b.text for b in blocks)
 
 
+def _system_text(system: str | list[TextBlock] | None) -> str:
+    """The system prompt without Claude Code's billing header block, which changes with every prompt
+    (`cc_version=...`) and would keep the prefix cache from serving anything after it."""
+    if isinstance(system, list):
+        system = [b for b in system if not b.text.startswith(BILLING_HEADER)]
+    return _text(system)
+
+
+def _result_text(content: str | list | None, deferred: dict[str, "ToolDefinition"]) -> str:
+    """A tool result's text; a `tool_reference` block becomes the definition of the tool it loads."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for b in content:
+        if isinstance(b, TextBlock):
+            parts.append(b.text)
+        elif isinstance(b, ToolReferenceBlock):
+            tool = deferred.get(b.tool_name)
+            parts.append(json.dumps(_function(tool), ensure_ascii=False) if tool is not None
+                         else f"(no tool named {b.tool_name!r} was given)")
+        else:
+            _refuse_or_skip(b)
+    return "\n".join(parts)
+
+
+def _refuse_or_skip(block: Any) -> None:
+    if isinstance(block, MediaBlock):
+        raise bad_request(f"a {block.type} block: this server reads text only", param="messages")
+    note_ignored("/v1/messages", [f"{block.type} block"], "not part of the prompt here")
+
+
 def chat_messages(body: CountTokensRequest) -> list[dict]:
     """Anthropic's turns as chat messages: a user turn's `tool_result` blocks become `tool` messages
-    (in order, around its text), an assistant turn's `tool_use` blocks its `tool_calls`."""
+    (in order, around its text), an assistant turn's `tool_use` blocks its `tool_calls`, a system
+    message stays one."""
     out: list[dict] = []
-    system = _text(body.system)
+    system = _system_text(body.system)
     if system:
         out.append({"role": "system", "content": system})
+    deferred = {t.name: t for t in body.tools or () if t.is_client_tool and t.defer_loading}
     for message in body.messages:
         blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) \
             else message.content
+        for b in blocks:
+            if isinstance(b, (MediaBlock, OtherBlock)):
+                _refuse_or_skip(b)
+        if message.role == "system":
+            out.append({"role": "system", "content": "".join(b.text for b in blocks if isinstance(b, TextBlock))})
+            continue
         if message.role == "assistant":
             text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
             calls = [{"id": b.id, "type": "function",
@@ -190,7 +274,8 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
                 if text:
                     out.append({"role": "user", "content": "".join(text)})
                     text = []
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                            "content": _result_text(b.content, deferred)})
             elif isinstance(b, ToolUseBlock):
                 raise bad_request("tool_use blocks belong in an assistant message", param="messages")
             elif isinstance(b, TextBlock):
@@ -203,13 +288,20 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
     return out
 
 
+def _function(tool: ToolDefinition) -> dict:
+    return {"name": tool.name, "description": tool.description, "parameters": tool.input_schema or {"type": "object"}}
+
+
 def _tool_fields(body: CountTokensRequest) -> dict:
     fields: dict[str, Any] = {}
-    if body.tools:
-        fields["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                             "parameters": t.input_schema}} for t in body.tools]
+    server_tools = [t.type for t in body.tools or () if not t.is_client_tool]
+    note_ignored("/v1/messages", [f"{kind} tool" for kind in server_tools], "a server tool of Anthropic's")
+    listed = [{"type": "function", "function": _function(t)} for t in body.tools or ()
+              if t.is_client_tool and not t.defer_loading]
+    if listed:
+        fields["tools"] = listed
     choice = body.tool_choice
-    if choice is not None:
+    if choice is not None and (listed or choice.type in ("any", "tool")):  # auto / none of no tools: nothing to say
         if choice.type == "tool":
             if not choice.name:
                 raise bad_request("tool_choice of type tool needs a name", param="tool_choice")
@@ -222,7 +314,6 @@ def _tool_fields(body: CountTokensRequest) -> dict:
 
 
 def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
-    refuse_unknown(body, IGNORED)
     fields = {"model": body.model, "messages": chat_messages(body), "max_tokens": body.max_tokens,
               "stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p,
               "top_k": body.top_k, "stream": bool(body.stream), **_tool_fields(body)}
@@ -267,7 +358,15 @@ def message_body(run: ChatRun, answer, output: RequestOutput) -> dict:
     reason, sequence = stop_reason(choice.finish_reason, output.outputs[0].stop_reason)
     return {"id": _message_id(run), "type": "message", "role": "assistant", "model": run.state.model_name,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": answer.usage.prompt_tokens, "output_tokens": answer.usage.completion_tokens}}
+            "usage": {**input_usage(answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens),
+                      "output_tokens": answer.usage.completion_tokens}}
+
+
+def input_usage(prompt_tokens: int, cached: int) -> dict:
+    """Anthropic's count of a prompt: the tokens read from the prefix cache apart from the rest (every
+    prompt's full blocks are cached for the next request, whatever its `cache_control` says)."""
+    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
 
 
 def _message_id(run: ChatRun) -> str:
@@ -345,8 +444,9 @@ async def message_events(run: ChatRun) -> AsyncIterator[str]:
     engine_stop = output.outputs[0].stop_reason if output is not None else None
     reason, sequence = stop_reason(finish_reason, engine_stop)
     generated = len(output.outputs[0].token_ids) if output is not None else 0
+    usage = input_usage(len(output.prompt_token_ids), cached_tokens(output)) if output is not None else {}
     yield sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                      "usage": {"output_tokens": generated}})
+                                      "usage": {**usage, "output_tokens": generated}})
     yield sse_event("message_stop", {})
 
 
@@ -361,7 +461,8 @@ async def create_message(request: Request) -> Response:
     with renamed_params(PARAMS):
         run = await start_chat(body, request, state, prefix="msg")
     if body.stream:
-        return event_stream(run.handle, message_events(run), state.request_timeout, done="", error_event=error_event)
+        return event_stream(run.handle, message_events(run), state.config, done="", error_event=error_event,
+                            keepalive=sse_event("ping", {}))
     answer, output = await chat_response(run, request)
     return Response(json.dumps(message_body(run, answer, output), ensure_ascii=False), media_type="application/json")
 
@@ -371,11 +472,9 @@ async def count_tokens(request: Request) -> Response:
     """The prompt's tokens as the model sees it: the chat template over the messages and the tools."""
     state: ServerState = request.app.state.server
     raw = await parse_body(request, CountTokensRequest)
-    refuse_unknown(raw, IGNORED)
-    state.check_model(raw.model)
     body = chat_request({"model": raw.model, "messages": chat_messages(raw), **_tool_fields(raw)})
     plan = plan_tools(body, state.llm.chat_template)
-    _, ids = await run_in_threadpool(chat_prompt, state, body.messages, None, plan)
+    _, ids = await run_in_threadpool(chat_prompt, state, body.messages, plan)
     return Response(json.dumps({"input_tokens": len(ids)}), media_type="application/json")
 
 

@@ -17,7 +17,7 @@ from .anthropic_messages import add_anthropic_messages
 from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .errors import APIError, install_error_handlers, parse_body
-from .guards import BodyGuard, HostCheck, allowed_hosts_for
+from .guards import BodyGuard, HostCheck, OriginCheck, allowed_hosts_for
 from .metrics import ServerMetrics
 from .ollama_api import add_ollama_api
 from .openai_responses import add_openai_responses
@@ -58,6 +58,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None, **settings: Any) -> 
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodyGuard, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout)
+    app.add_middleware(OriginCheck, allowed=config.allowed_origins)
     app.add_middleware(HostCheck, allowed=allowed_hosts_for(config.host, config.allowed_hosts))
     app.add_middleware(AccessLogMiddleware)
     v1 = [Depends(_api_key_check(config.api_key))]

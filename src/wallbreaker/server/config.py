@@ -22,6 +22,8 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds for a connection to send a request's headers
     max_connections: int = 256  # beyond, new connections get a 503
     allowed_hosts: tuple[str, ...] | None = None  # Host names answered; None: derived from `host`
+    allowed_origins: tuple[str, ...] = ()  # pages (Origin patterns) answered beyond localhost and the server's own
+    keepalive_interval: float = 10.0  # seconds of silence in a stream before a keep-alive event
     grammar_compile_timeout: float = 5.0  # seconds a schema, regex or grammar may take to compile (else a 400)
 
     def __post_init__(self) -> None:
@@ -29,7 +31,7 @@ class ServerConfig:
             raise InvalidRequestError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise InvalidRequestError(f"request_timeout must be positive (or None for no limit), got {self.request_timeout}")
-        for name in ("max_request_bytes", "body_timeout", "header_timeout", "max_connections",
+        for name in ("max_request_bytes", "body_timeout", "header_timeout", "max_connections", "keepalive_interval",
                      "grammar_compile_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")

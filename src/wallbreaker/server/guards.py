@@ -1,11 +1,16 @@
-"""What a request must pass before any handler sees it: a Host the server answers to, a JSON body,
-and a bounded body read in bounded time. Plain ASGI middlewares, answering in OpenAI's error shape.
+"""What a request must pass before any handler sees it: a Host the server answers to, an Origin it
+allows, and a bounded body read in bounded time. Plain ASGI middlewares, answering in the error
+shape of the API the path belongs to.
 
 - Host: a server on loopback answers only to loopback names, so a web page cannot reach it by DNS
   rebinding (a name of the attacker's that resolves to 127.0.0.1: the class of Ollama's
   CVE-2024-28224). Bound to all interfaces, any Host is accepted unless a list is given.
-- JSON only on POST: a form or `text/plain` POST is a "simple" cross-site request that a browser
-  sends without asking (no CORS preflight); `application/json` is not.
+- Origin: a browser names the page that sends a request; a page of another site may post a
+  "simple" request (a form, `text/plain`) without asking first, so a request whose Origin is not
+  allowed is a 403. Allowed: the server's own pages (the Origin is the Host asked for), pages on
+  localhost (any port), and the `--allowed-origins` list (Ollama's OLLAMA_ORIGINS). Programs that
+  are not browsers send no Origin and pass. The body's Content-Type is not checked: Ollama's and
+  llama-server's documented `curl -d` sends JSON as a form type, and is answered.
 - The body is read here, up to `max_bytes` and within `timeout_s`, then handed on: a 413 past the
   limit, a 408 for a client that trickles it. Before a 413 the rest of a body up to a few times
   the limit is read and dropped, so that the client, still sending, gets the answer and not a
@@ -14,6 +19,7 @@ and a bounded body read in bounded time. Plain ASGI middlewares, answering in Op
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import ipaddress
 import json
 from collections.abc import Iterable
@@ -24,6 +30,7 @@ from .error_shapes import error_body
 from .errors import APIError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WEB_SCHEMES = ("http", "https")
 DRAIN_FACTOR = 4  # a body up to this many times the limit is read to its end before the 413
 
 
@@ -79,8 +86,39 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
+def origin_allowed(origin: str, host_header: str, allowed: Iterable[str] = ()) -> bool:
+    """Whether a request from a page at `origin` (the Origin header) may be answered: the page is the
+    server's own (its host and port are the Host asked for), on a loopback name, or matches one of
+    `allowed` (shell-style patterns: `https://*.example.com`, `*` for any)."""
+    origin = origin.strip().lower()
+    if any(fnmatch.fnmatchcase(origin, pattern.strip().lower()) for pattern in allowed):
+        return True
+    scheme, _, rest = origin.partition("://")
+    if scheme not in WEB_SCHEMES or not rest:
+        return False
+    return rest == host_header.strip().lower() or host_name(rest) in LOOPBACK_NAMES
+
+
+class OriginCheck:
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...] = ()):
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin")
+            if origin is not None and not origin_allowed(origin.decode("latin-1"),
+                                                         headers.get(b"host", b"").decode("latin-1"), self.allowed):
+                await send_error(send, scope["path"], APIError(
+                    403, f"requests from pages at {origin.decode('latin-1')[:100]!r} are not allowed "
+                         "(see --allowed-origins)", type="permission_error", code="origin_not_allowed"))
+                return
+        await self.app(scope, receive, send)
+
+
 class BodyGuard:
-    """JSON content type on POST, and the whole body read before the app runs (then replayed)."""
+    """The whole body read before the app runs (then replayed), within its size and time."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float):
         self.app = app
@@ -92,12 +130,6 @@ class BodyGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        kind = headers.get(b"content-type", b"").decode("latin-1").split(";", 1)[0].strip().lower()
-        if kind != "application/json" and not kind.endswith("+json"):
-            await send_error(send, scope["path"], APIError(
-                415, f"send the body as JSON with 'Content-Type: application/json' (got {kind[:60] or 'none'!r})",
-                code="unsupported_media_type"))
-            return
         declared = headers.get(b"content-length")
         limit = self.max_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:

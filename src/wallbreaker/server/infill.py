@@ -22,9 +22,10 @@ from ..sampling_params import SamplingParams
 from .access_log import AccessRecord
 from .async_engine import RequestHandle
 from .errors import bad_request
-from .prompts import infill_prompt
+from .prompts import infill_prompt, within_context
 from .protocol import INT64_MAX, MAX_N, LlamaCppSamplerFields, Stop, _Closed
-from .request_params import check_fields, llama_cpp_sampler_fields
+from .ignored import ignore_unknown
+from .request_params import llama_cpp_sampler_fields
 from .state import ServerState
 from .streaming import collect, deltas, event_stream
 
@@ -85,17 +86,18 @@ class InfillResponse(BaseModel):
 
 
 async def create_infill(body: InfillRequest, request: Request, state: ServerState) -> Response:
-    check_fields(body)
-    access, infill_id, deadline = state.admit(request, body.model, "infill")
+    ignore_unknown(body)
+    access, infill_id, deadline = state.admit(request, "infill")
     params = infill_params(body)
     extra = [ExtraFile(c.text, c.filename if c.filename is not None else "tmp") for c in body.input_extra or ()]
     ids = await run_in_threadpool(infill_prompt, state, body.input_prefix, body.input_suffix, extra,
-                                  body.prompt or "", params.max_tokens)
+                                  body.prompt or "")
+    params = within_context(state, params, len(ids))
     access.prompt_tokens = len(ids)
     engine_request = EngineRequest(ids, params, body.input_prefix, infill_id)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))
     if body.stream:
-        return event_stream(handle, _stream(state, handle, access, deadline), state.request_timeout, done="")
+        return event_stream(handle, _stream(state, handle, access, deadline), state.config, done="")
     output = (await collect(handle, request, deadline, state.request_timeout))[infill_id]
     access.completion_tokens = len(output.outputs[0].token_ids)
     return Response(_final(state, output).model_dump_json(exclude_none=True), media_type="application/json")

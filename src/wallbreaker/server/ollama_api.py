@@ -42,7 +42,8 @@ from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .serving_completion import CompletionRun, completion_chunks, completion_response, start_completion
 from .state import ServerState
 from .streaming import event_stream
-from .translate import chat_request, completion_request, reasoning_of, refuse_unknown, renamed_params
+from .ignored import ignore_unknown
+from .translate import chat_request, completion_request, reasoning_of, renamed_params
 
 # The Ollama API version answered at /api/version: clients check it for the features they use
 # (VS Code Copilot reads it as major.minor.patch integers), so it names the API this module follows.
@@ -160,11 +161,6 @@ def chat_messages(messages: list[OllamaMessage]) -> list[dict]:
     return out
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    """Ollama's names carry a tag; `:latest` is the one tag served."""
-    state.check_model(name.removesuffix(":latest") if name else name)
-
-
 # -- out: answers as Ollama's objects ------------------------------------------------------------
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
@@ -277,8 +273,7 @@ async def chat(request: Request) -> Response:
     started = time.perf_counter_ns()
     state: ServerState = request.app.state.server
     body = await parse_body(request, ChatRequest)
-    refuse_unknown(body)
-    check_model(state, body.model)
+    ignore_unknown(body)
     name = body.model
     if not body.messages:
         return _loaded(name, False, body.keep_alive)
@@ -289,8 +284,8 @@ async def chat(request: Request) -> Response:
     with renamed_params(PARAMS):
         run = await start_chat(chat_request(fields), request, state, prefix="ollama")
     if stream:
-        return event_stream(run.handle, chat_lines(run, name, started, False), state.request_timeout, done="",
-                            error_event=error_line, media_type=NDJSON)
+        return event_stream(run.handle, chat_lines(run, name, started, False), state.config, done="",
+                            error_event=error_line, media_type=NDJSON, keepalive=None)
     answer, output = await chat_response(run, request)
     choice = answer.choices[0]
     message: dict[str, Any] = {"role": "assistant", "content": choice.message.content or ""}
@@ -308,8 +303,7 @@ async def generate(request: Request) -> Response:
     started = time.perf_counter_ns()
     state: ServerState = request.app.state.server
     body = await parse_body(request, GenerateRequest)
-    refuse_unknown(body)
-    check_model(state, body.model)
+    ignore_unknown(body)
     for field, why in (("template", "Go templates (the model's own chat template is used)"),
                        ("context", "the deprecated context tokens (send the conversation to /api/chat)"),
                        ("images", "images (this server serves text models)")):
@@ -325,8 +319,8 @@ async def generate(request: Request) -> Response:
             run = await start_completion(completion_request({"prompt": body.prompt, "stream": stream, **fim,
                                                              **sampling_fields(body)}), request, state)
         if stream:
-            return event_stream(run.handle, completion_lines(run, name, started), state.request_timeout, done="",
-                                error_event=error_line, media_type=NDJSON)
+            return event_stream(run.handle, completion_lines(run, name, started), state.config, done="",
+                                error_event=error_line, media_type=NDJSON, keepalive=None)
         answer, outputs = await completion_response(run, request)
         text, finish = answer.choices[0].text, answer.choices[0].finish_reason
         output = next(iter(outputs.values()))
@@ -338,8 +332,8 @@ async def generate(request: Request) -> Response:
             run = await start_chat(chat_request({"messages": messages, "stream": stream, **sampling_fields(body)}),
                                    request, state, prefix="ollama")
         if stream:
-            return event_stream(run.handle, chat_lines(run, name, started, True), state.request_timeout, done="",
-                                error_event=error_line, media_type=NDJSON)
+            return event_stream(run.handle, chat_lines(run, name, started, True), state.config, done="",
+                                error_event=error_line, media_type=NDJSON, keepalive=None)
         answer, output = await chat_response(run, request)
         text, finish = answer.choices[0].message.content or "", answer.choices[0].finish_reason
         thinking = reasoning_of(answer.choices[0].message)
@@ -370,11 +364,10 @@ async def ps(request: Request) -> Response:
 async def show(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await parse_body(request, ShowRequest)
-    refuse_unknown(body)
+    ignore_unknown(body)
     name = body.model or body.name
     if not name:
         raise bad_request("model is required", param="model")
-    check_model(state, name)
     return _json(await run_in_threadpool(show_body, state))
 
 

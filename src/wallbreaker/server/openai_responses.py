@@ -2,11 +2,16 @@
 official `openai` client, Codex and opencode speak it: a translation onto the chat handling.
 
 - In: `input` as a string or items (messages of `input_text` / `output_text` parts, `function_call`
-  and `function_call_output` items; earlier `reasoning` items are accepted and dropped, as chat
-  templates drop earlier reasoning), `instructions` (a system message), function `tools`,
-  `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema),
-  `max_output_tokens`, `temperature`, `top_p`. `reasoning` and `include` are accepted and change
-  nothing (no effort is enforced); any other field is a 400 naming it.
+  and `function_call_output` items, and Codex's `custom_tool_call` / `custom_tool_call_output` as
+  calls whose arguments are `{"input": ...}`; earlier `reasoning` items, and the items of tools that
+  run on OpenAI's side, are dropped, as chat templates drop earlier reasoning), `instructions` (a
+  system message), `tools`, `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object,
+  json_schema), `max_output_tokens`, `temperature`, `top_p`.
+- Tools: `function` tools, and the functions inside Codex's `namespace` tools (a call of one comes
+  back naming its `namespace`); tools of other types (`web_search`, ...) run on OpenAI's side and
+  are left out of the prompt, logged once. Fields without effect (`reasoning`, `include`,
+  `client_metadata`, `prompt_cache_key`, ...) are ignored and logged once (server/ignored.py); an
+  image or file part is a 400 (this server reads text).
 - `store` (true unless false, as OpenAI's) keeps the response in a bounded memory store
   (server/response_store.py), and `previous_response_id` continues its conversation; an id the store
   no longer holds is a 400 that says so.
@@ -28,32 +33,40 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..engine.client import RequestOutput
-from .errors import APIError, bad_request, parse_body
+from .errors import APIError, bad_request, parse_body, validation_error
 from .protocol import ChatCompletionRequest
 from .response_store import ResponseStore
+from .responses import cached_tokens
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
 from .streaming import event_stream
-from .translate import chat_request, delta_pieces, reasoning_of, refuse_unknown, renamed_params
+from .ignored import ignore_unknown, note_ignored, refuse_present
+from .translate import chat_request, delta_pieces, reasoning_of, renamed_params
 
-IGNORED = frozenset({"metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier", "reasoning",
-                     "include", "stream_options", "background"})
+# Fields whose absence would change the answer, and that this server cannot honour.
+REFUSED = {"conversation": "conversations are not stored here; send the earlier items in input, or "
+                           "previous_response_id",
+           "prompt": "stored prompt templates are not kept here; send the instructions and input",
+           "background": "responses run while the request waits; leave it out"}
 PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
           "max_tokens": "max_output_tokens", "messages": "input"}
 
 
-class _Closed(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
 class _Open(BaseModel):
+    """Fields it does not declare are ignored, and logged once (server/ignored.py)."""
+
     model_config = ConfigDict(strict=True, extra="allow")
 
+    @model_validator(mode="after")
+    def _log_unknown(self) -> "_Open":
+        ignore_unknown(self, f"/v1/responses {type(self).__name__}")
+        return self
 
-class FunctionTool(_Closed):
+
+class FunctionTool(_Open):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: str | None = None
@@ -61,12 +74,45 @@ class FunctionTool(_Closed):
     strict: bool | None = None
 
 
-class NamedFunction(_Closed):
+class NamespaceTool(_Open):
+    """Codex's group of functions (`multi_agent_v1`, an MCP server's tools)."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[dict]
+
+
+def function_tools(tools: list[dict] | None) -> tuple[list[FunctionTool], dict[str, str]]:
+    """The functions the model may call, and the namespace of each that came from one."""
+    functions: list[FunctionTool] = []
+    namespace_of: dict[str, str] = {}
+    for i, tool in enumerate(tools or ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        try:
+            if kind == "function":
+                functions.append(FunctionTool.model_validate(tool))
+            elif kind == "namespace":
+                group = NamespaceTool.model_validate(tool)
+                inner, _ = function_tools(group.tools)
+                functions += inner
+                namespace_of.update((f.name, group.name) for f in inner)
+            else:
+                note_ignored("/v1/responses", [f"{kind} tool"], "runs on OpenAI's side, not here")
+        except ValidationError as e:
+            error = validation_error(e.errors(include_url=False))
+            error.info.message = f"tools.{i}: {error.info.message}"
+            error.info.param = "tools"
+            raise error from None
+    return functions, namespace_of
+
+
+class NamedFunction(_Open):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Closed):
+class TextFormat(_Open):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict | None = Field(None, alias="schema")
@@ -74,16 +120,16 @@ class TextFormat(_Closed):
     strict: bool | None = None
 
 
-class TextConfig(_Closed):
+class TextConfig(_Open):
     format: TextFormat | None = None
-    verbosity: Literal["medium"] | None = None  # the only one that changes nothing
+    verbosity: str | None = None  # no length is enforced
 
 
 class ResponsesRequest(_Open):
     model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[dict] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -105,11 +151,22 @@ def _part_text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise bad_request(f"{where}.content.{j}: an {kind} part: this server reads text only", param="input")
+        elif kind in ("refusal",) and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
             raise bad_request(f"{where}.content.{j}: the part type {kind!r} is not supported (this server takes "
                               "input_text and output_text parts)", param="input")
-        texts.append(part["text"])
     return "".join(texts)
+
+
+def _call(call_id: Any, name: Any, arguments: Any, where: str) -> dict:
+    if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+        raise bad_request(f"{where}: a function_call needs call_id, name and arguments (strings)", param="input")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
@@ -128,26 +185,26 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                                   param="input")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _part_text(item.get("content"), where)})
-        elif kind == "function_call":
-            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
-            if not all(isinstance(v, str) for v in (call_id, name, arguments)):
-                raise bad_request(f"{where}: a function_call needs call_id, name and arguments (strings)",
-                                  param="input")
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        elif kind in ("function_call", "custom_tool_call"):
+            arguments = item.get("arguments") if kind == "function_call" else \
+                json.dumps({"input": item.get("input")}, ensure_ascii=False)
+            call = _call(item.get("call_id"), item.get("name"), arguments, where)
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise bad_request(f"{where}: a function_call_output needs call_id (a string)", param="input")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _part_text(output, where)})
         elif kind == "reasoning":
             continue
+        elif isinstance(kind, str):
+            note_ignored("/v1/responses", [f"{kind} item"], "not part of the prompt here")
         else:
-            raise bad_request(f"{where}: the item type {kind!r} is not supported (this server takes message, "
-                              "function_call, function_call_output and reasoning items)", param="input")
+            raise bad_request(f"{where}: an item needs a type (message, function_call, function_call_output, ...)",
+                              param="input")
     return out
 
 
@@ -164,15 +221,17 @@ def _text_format(body: ResponsesRequest) -> dict | None:
 
 def to_chat(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
     """The chat request, and the conversation it continues (`history`) with this input, instructions aside."""
-    refuse_unknown(body, IGNORED)
+    refuse_present(body, REFUSED, "/v1/responses")
     conversation = history + input_messages(body.input)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     fields: dict[str, Any] = {"model": body.model, "messages": system + conversation, "stream": bool(body.stream),
                               "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
                               "top_p": body.top_p, "response_format": _text_format(body)}
-    if body.tools:
-        fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                           for t in body.tools]
+    functions, _ = function_tools(body.tools)
+    if functions:
+        fields["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True,
+                                                                          exclude=set(t.model_extra or ()) | {"type"})}
+                           for t in functions]
     if isinstance(body.tool_choice, NamedFunction):
         fields["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
     elif body.tool_choice is not None:
@@ -196,9 +255,11 @@ def output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed",
+              namespace: str | None = None) -> dict:
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+    return item if namespace is None else {**item, "namespace": namespace}
 
 
 def reasoning_item(item_id: str, text: str) -> dict:
@@ -210,15 +271,16 @@ class Reply:
 
     def __init__(self, body: ResponsesRequest, run: ChatRun, response_id: str):
         self.body, self.run, self.id = body, run, response_id
+        self.namespaces = function_tools(body.tools)[1]
         self.created_at = int(time.time())
 
     def object(self, status: str, output: list[dict], output_tokens: int | None = None,
-               finish_reason: str | None = None) -> dict:
+               finish_reason: str | None = None, cached: int = 0) -> dict:
         body = self.body
         prompt = self.run.prompt_tokens
         usage = None
         if output_tokens is not None:
-            usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+            usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
                      "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": prompt + output_tokens}
         fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) \
@@ -232,7 +294,7 @@ class Reply:
                 "temperature": body.temperature if body.temperature is not None else 1.0,
                 "top_p": body.top_p if body.top_p is not None else 1.0,
                 "tool_choice": _echo_choice(body.tool_choice),
-                "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+                "tools": body.tools or [],
                 "text": {"format": fmt}, "truncation": "disabled",
                 "metadata": (body.model_extra or {}).get("metadata") or {},
                 "reasoning": {"effort": None, "summary": None}}
@@ -257,7 +319,7 @@ def answer_message(output: list[dict]) -> dict:
     return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
 
-def output_items(answer) -> list[dict]:
+def output_items(answer, namespaces: dict[str, str]) -> list[dict]:
     message = answer.choices[0].message
     items = []
     reasoning = reasoning_of(message)
@@ -265,7 +327,8 @@ def output_items(answer) -> list[dict]:
         items.append(reasoning_item(_id("rs"), reasoning))
     if message.content:
         items.append(message_item(_id("msg"), message.content))
-    items += [call_item(_id("fc"), c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+    items += [call_item(_id("fc"), c.id, c.function.name, c.function.arguments, namespace=namespaces.get(c.function.name))
+              for c in message.tool_calls or ()]
     return items
 
 
@@ -273,7 +336,8 @@ class EventWriter:
     """Output items as OpenAI streams them: each added, filled by deltas, done, numbered in order;
     every event carries the stream's sequence number."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespaces: dict[str, str]) -> None:
+        self.namespaces = namespaces  # a function's namespace, for those that came from one
         self.sequence = 0
         self.items: list[dict] = []  # finished items, in output order
         self.open: dict | None = None  # the item being streamed: its kind, id, text so far (and call fields)
@@ -301,7 +365,8 @@ class EventWriter:
             done = reasoning_item(item["id"], item["text"])
             events = [self.event("response.reasoning_text.done", **where, content_index=0, text=item["text"])]
         else:
-            done = call_item(item["id"], item["call_id"], item["name"], item["text"])
+            done = call_item(item["id"], item["call_id"], item["name"], item["text"],
+                             namespace=self.namespaces.get(item["name"]))
             events = [self.event("response.function_call_arguments.done", **where, name=item["name"],
                                  arguments=item["text"])]
         events.append(self.event("response.output_item.done", output_index=self._index, item=done))
@@ -316,7 +381,8 @@ class EventWriter:
         elif kind == "reasoning":
             added = {"type": "reasoning", "id": self.open["id"], "summary": [], "content": []}
         else:
-            added = call_item(self.open["id"], fields["call_id"], fields["name"], "", "in_progress")
+            added = call_item(self.open["id"], fields["call_id"], fields["name"], "", "in_progress",
+                              self.namespaces.get(fields["name"]))
         events.append(self.event("response.output_item.added", output_index=self._index, item=added))
         if kind == "message":
             events.append(self.event("response.content_part.added", item_id=self.open["id"], output_index=self._index,
@@ -374,7 +440,7 @@ async def response_events(reply: Reply, writer: EventWriter, store: ResponseStor
         yield event
     generated = sum(len(c.token_ids) for c in finished[0].outputs) if finished else 0
     status = _status(finish_reason)
-    final = reply.object(status, writer.items, generated, finish_reason)
+    final = reply.object(status, writer.items, generated, finish_reason, cached_tokens(finished[0]) if finished else 0)
     if store is not None:
         store.put(reply.id, conversation + [answer_message(writer.items)], final)
     yield writer.event("response.completed" if status == "completed" else "response.incomplete", response=final)
@@ -403,13 +469,14 @@ async def create_response(request: Request) -> Response:
         run = await start_chat(chat, request, state, prefix="resp")
     reply = Reply(body, run, "resp_" + run.chat_id.split("-", 1)[-1])
     if body.stream:
-        writer = EventWriter()
-        return event_stream(run.handle, response_events(reply, writer, store, conversation), state.request_timeout,
+        writer = EventWriter(reply.namespaces)
+        return event_stream(run.handle, response_events(reply, writer, store, conversation), state.config,
                             done="", error_event=error_event(writer))
     answer, _ = await chat_response(run, request)
-    output = output_items(answer)
+    output = output_items(answer, reply.namespaces)
     finish_reason = answer.choices[0].finish_reason
-    final = reply.object(_status(finish_reason), output, answer.usage.completion_tokens, finish_reason)
+    final = reply.object(_status(finish_reason), output, answer.usage.completion_tokens, finish_reason,
+                         answer.usage.prompt_tokens_details.cached_tokens)
     if store is not None:
         store.put(reply.id, conversation + [answer_message(output)], final)
     return Response(json.dumps(final, ensure_ascii=False), media_type="application/json")

@@ -1,14 +1,18 @@
 """Prompts in: completions' strings or token ids (one or a batch), chat's messages; all checked
-against the context before anything reaches the engine, text by its length before it is tokenized."""
+against the context before anything reaches the engine, text by its length before it is tokenized.
+A `max_tokens` past what the context leaves is clamped to it (`within_context`), as llama-server
+and Ollama do: the answer then stops at the context's end with the API's length stop reason."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import dataclasses
 import json
 
 from ..errors import InvalidRequestError
 from ..formats.fim import ExtraFile, FimTokens
 from ..llm import as_prompt_list
+from ..sampling_params import SamplingParams
 from .errors import bad_request
 from .protocol import ChatMessage
 from .tools import ToolPlan, template_messages
@@ -19,7 +23,7 @@ if TYPE_CHECKING:
 Encoded = tuple[str | None, list[int]]
 
 
-def completion_prompts(state: ServerState, prompt: str | list, max_tokens: int | None) -> list[Encoded]:
+def completion_prompts(state: ServerState, prompt: str | list) -> list[Encoded]:
     """A string, a list of token ids, or a batch (list) of either -> one (text, token ids) a prompt."""
     prompts = as_prompt_list(prompt)
     if not prompts:
@@ -32,7 +36,7 @@ def completion_prompts(state: ServerState, prompt: str | list, max_tokens: int |
             text, ids = state.llm.encode(p)
         except InvalidRequestError as e:
             raise bad_request(str(e), param="prompt") from e
-        encoded.append((text, _checked(state, ids, max_tokens, "prompt")))
+        encoded.append((text, _checked(state, ids, "prompt")))
     return encoded
 
 
@@ -41,7 +45,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
                                          "bos_token", "eos_token"})
 
 
-def fim_prompts(state: ServerState, prompt: str | list, suffix: str, max_tokens: int | None) -> list[Encoded]:
+def fim_prompts(state: ServerState, prompt: str | list, suffix: str) -> list[Encoded]:
     """Completions' prompts as the prefixes of fill-in-the-middle prompts (formats/fim.py) before
     `suffix`; a 400 naming `suffix` for a model without FIM tokens."""
     fim = fim_tokens(state, "suffix")
@@ -56,18 +60,17 @@ def fim_prompts(state: ServerState, prompt: str | list, suffix: str, max_tokens:
         elif not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
             raise bad_request("with suffix, a prompt is a string or a list of token ids", param="prompt")
         ids = fim.prompt(state.llm.tokenizer, p, suffix)
-        encoded.append((p if isinstance(p, str) else None, _checked(state, ids, max_tokens, "prompt")))
+        encoded.append((p if isinstance(p, str) else None, _checked(state, ids, "prompt")))
     return encoded
 
 
-def infill_prompt(state: ServerState, prefix: str, suffix: str, extra: list[ExtraFile], prompt: str,
-                  max_tokens: int | None) -> list[int]:
+def infill_prompt(state: ServerState, prefix: str, suffix: str, extra: list[ExtraFile], prompt: str) -> list[int]:
     """llama.cpp's /infill prompt (the repository-level layout of formats/fim.py)."""
     fim = fim_tokens(state, "input_prefix")
     chars = len(prefix) + len(suffix) + len(prompt) + sum(len(f.text) + len(f.filename) for f in extra)
     _check_chars(state, chars, "input_prefix")
     ids = fim.prompt(state.llm.tokenizer, prefix, suffix, repo_level=True, extra=extra, prompt=prompt)
-    return _checked(state, ids, max_tokens, "input_prefix")
+    return _checked(state, ids, "input_prefix")
 
 
 def fim_tokens(state: ServerState, param: str) -> FimTokens:
@@ -77,8 +80,8 @@ def fim_tokens(state: ServerState, param: str) -> FimTokens:
         raise bad_request(str(e), param=param) from e
 
 
-def chat_prompt(state: ServerState, messages: list[ChatMessage], max_tokens: int | None,
-                tools: ToolPlan | None = None, template_kwargs: dict | None = None) -> Encoded:
+def chat_prompt(state: ServerState, messages: list[ChatMessage], tools: ToolPlan | None = None,
+                template_kwargs: dict | None = None) -> Encoded:
     """The conversation through the chat template, with the plan's tools (server/tools.py) and the
     request's `chat_template_kwargs`."""
     check_template_kwargs(template_kwargs)
@@ -92,7 +95,7 @@ def chat_prompt(state: ServerState, messages: list[ChatMessage], max_tokens: int
         text, ids = state.llm.encode_chat(rendered, tools=tool_list, chat_template_kwargs=template_kwargs)
     except InvalidRequestError as e:
         raise bad_request(str(e), param="messages") from e
-    return text, _checked(state, ids, max_tokens, "messages")
+    return text, _checked(state, ids, "messages")
 
 
 def check_template_kwargs(template_kwargs: dict | None) -> None:
@@ -108,10 +111,18 @@ def _check_chars(state: ServerState, chars: int, param: str) -> None:
                           f"tokens ({state.llm.max_model_len - 1} prompt tokens)", param=param)
 
 
-def _checked(state: ServerState, ids: list[int], max_tokens: int | None, param: str) -> list[int]:
+def within_context(state: ServerState, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+    """`params` with `max_tokens` no more than the context leaves after a prompt of `prompt_tokens`."""
+    room = state.llm.max_model_len - prompt_tokens
+    if params.max_tokens is None or params.max_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_tokens=room)
+
+
+def _checked(state: ServerState, ids: list[int], param: str) -> list[int]:
     """The engine's own check (its door's, thread-safe), as a 400 naming the field at fault."""
     try:
-        state.engine.client.check_prompt(ids, max_tokens)
+        state.engine.client.check_prompt(ids)
     except InvalidRequestError as e:
         raise bad_request(str(e), param=e.param or param) from e
     return ids

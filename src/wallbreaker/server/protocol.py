@@ -4,9 +4,9 @@ Types are strict (`"max_tokens": "5"` is a 400, as with OpenAI). Ranges that `Sa
 already checks are left to it; these models check only what it cannot see: the shape of prompts
 and messages, and the bounds of fields it does not have.
 
-No field is dropped without a word: a field these models do not know is a 400 that names it
-(`unsupported_fields`), except the few that never change the output, which are accepted and
-ignored: `IGNORED_FIELDS`.
+A field these models do not know is kept aside (`model_extra`), then ignored and logged once
+(server/ignored.py): clients add fields with every release. A known field that cannot be honoured
+is a 400 naming it, raised where it is read.
 """
 from __future__ import annotations
 
@@ -38,12 +38,8 @@ Prompt = Annotated[str | list[str] | TokenIds | list[TokenIds],
 Stop = Annotated[str | list[str], _one_of("a string or a list of strings")]
 
 
-# Accepted and ignored: bookkeeping for the client or for OpenAI's own service, never the output.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
-
-
 class _Body(BaseModel):
-    """Unknown fields are kept (`model_extra`) so that `unsupported_fields` can name them."""
+    """Unknown fields are kept (`model_extra`) so that server/ignored.py can name them."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -52,11 +48,6 @@ class _Closed(BaseModel):
     """A nested object whose every field we read: an unknown one is a validation error naming it."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-
-
-def unsupported_fields(body: BaseModel) -> list[str]:
-    """The fields of `body` we do not know and do not ignore."""
-    return sorted(k for k in (body.model_extra or {}) if k not in IGNORED_FIELDS)
 
 
 class StreamOptions(_Body):

@@ -1,7 +1,7 @@
 """OpenAI request fields -> `SamplingParams`, with OpenAI's defaults for fields left out or null.
 
-A field we do not know is a 400 that names it, and so is one we know but cannot honour (`echo`,
-`best_of` > n): never a silent drop. The constraints (`response_format`, vLLM's
+A field we do not know is ignored and logged once (server/ignored.py); one we know but cannot
+honour (`echo`, `best_of` > n) is a 400 that names it. The constraints (`response_format`, vLLM's
 `structured_outputs` and its older `guided_*` names, and a forced `tool_choice`) become one
 `StructuredOutputsParams`; two at once are a 400.
 """
@@ -12,22 +12,17 @@ import dataclasses
 from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .errors import APIError, bad_request
-from .protocol import (ChatCompletionRequest, CompletionRequest, LlamaCppSamplerFields, _SamplingFields,
-                       unsupported_fields)
+from .ignored import ignore_unknown, refuse_present
+from .protocol import ChatCompletionRequest, CompletionRequest, LlamaCppSamplerFields, _SamplingFields
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+# Chat fields whose absence would change the answer, and that this server does not take.
+CHAT_REFUSED = {"functions": "the legacy function calling; send tools", "function_call": "send tool_choice",
+                "audio": "this server writes text"}
 
 
 def _or(value, default):
     return default if value is None else value
-
-
-def check_fields(body) -> None:
-    """400 for the first field of `body` we do not know (the ignored ones pass)."""
-    unknown = unsupported_fields(body)
-    if unknown:
-        raise bad_request(f"the field '{unknown[0]}' is not supported by this server; leave it out "
-                          f"(unknown fields are refused, not ignored)", param=unknown[0])
 
 
 def structured_outputs(body: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -98,7 +93,7 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: in
 
 def completion_params(body: CompletionRequest) -> tuple[SamplingParams, str | None]:
     """The sampling params, and the field their constraint came from (None: no constraint)."""
-    check_fields(body)
+    ignore_unknown(body)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
     if body.best_of is not None and body.best_of > _or(body.n, 1):
@@ -113,7 +108,8 @@ def chat_params(body: ChatCompletionRequest, tool_spec: StructuredOutputsParams 
     """Chat's `max_completion_tokens` wins over the older `max_tokens`; absent, the answer may run to
     the end of the context. `top_logprobs` counts alternatives and needs `logprobs: true`.
     `tool_spec` is the constraint of a forced tool choice (server/tools.py)."""
-    check_fields(body)
+    refuse_present(body, CHAT_REFUSED, "chat")
+    ignore_unknown(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = None
     if body.logprobs:

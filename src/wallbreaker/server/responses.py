@@ -11,10 +11,25 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens the prefix cache served
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> "Usage":
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def cached_tokens(output) -> int:
+    """The prompt tokens of an engine request's output that the prefix cache served."""
+    return output.metrics.get("num_cached_prompt_tokens", 0)
 
 
 class ErrorInfo(BaseModel):

@@ -17,12 +17,13 @@ from .access_log import AccessRecord
 from ..engine.client import EngineRequest
 from .async_engine import RequestHandle
 from .logprobs import chat_logprobs
-from .prompts import chat_prompt
+from .prompts import chat_prompt, within_context
 from .protocol import ChatCompletionRequest
 from .reasoning import ReasoningParser, ReasoningStream
 from .request_params import chat_params
 from .responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatStreamChoice,
-                        DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCallOut, ToolCallOut, Usage)
+                        DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCallOut, ToolCallOut, Usage,
+                        cached_tokens)
 from .state import ServerState
 from .streaming import collect, deltas, event_stream, sse
 from .tools import Call, ToolPlan, ToolStream, plan_tools
@@ -55,11 +56,11 @@ class ChatRun:
 async def start_chat(body: ChatCompletionRequest, request: Request, state: ServerState, prefix: str = "chatcmpl"
                      ) -> ChatRun:
     """Check the request, render its prompt, compile its constraint and queue it on the engine."""
-    access, chat_id, deadline = state.admit(request, body.model, prefix)
+    access, chat_id, deadline = state.admit(request, prefix)
     plan = plan_tools(body, state.llm.chat_template)
     params, source = chat_params(body, plan.spec if plan is not None and plan.forced else None)
-    text, ids = await run_in_threadpool(chat_prompt, state, body.messages, params.max_tokens, plan,
-                                        body.chat_template_kwargs)
+    text, ids = await run_in_threadpool(chat_prompt, state, body.messages, plan, body.chat_template_kwargs)
+    params = within_context(state, params, len(ids))
     grammar = await state.compile_grammar(params.structured_outputs, source)
     engine_request = EngineRequest(ids, params, text, chat_id, body.cache_salt, grammar)
     access.prompt_tokens = len(ids)
@@ -94,7 +95,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     run = await start_chat(body, request, state)
     if body.stream:
         chunks = (sse(c) async for c in chat_chunks(run, body.include_usage, []))
-        return event_stream(run.handle, chunks, state.request_timeout)
+        return event_stream(run.handle, chunks, state.config)
     body_out, _ = await chat_response(run, request)
     return Response(body_out.model_dump_json(), media_type="application/json")
 
@@ -226,6 +227,4 @@ async def chat_chunks(run: ChatRun, include_usage: bool, finished: list[RequestO
 
 
 def _usage(output: RequestOutput) -> Usage:
-    prompt = len(output.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in output.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage.of(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs), cached_tokens(output))

@@ -14,9 +14,9 @@ from .access_log import AccessRecord
 from ..engine.client import EngineRequest
 from .async_engine import RequestHandle
 from .logprobs import completion_logprobs
-from .prompts import completion_prompts, fim_prompts
+from .prompts import completion_prompts, fim_prompts, within_context
 from .protocol import CompletionRequest
-from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage, cached_tokens
 from .request_params import completion_params
 from .state import ServerState
 from .streaming import collect, deltas, event_stream, sse
@@ -36,14 +36,15 @@ class CompletionRun:
 
 
 async def start_completion(body: CompletionRequest, request: Request, state: ServerState) -> CompletionRun:
-    access, completion_id, deadline = state.admit(request, body.model, "cmpl")
+    access, completion_id, deadline = state.admit(request, "cmpl")
     params, source = completion_params(body)
     if body.suffix is not None:  # fill in the middle, between the prompt and the suffix
-        prompts = await run_in_threadpool(fim_prompts, state, body.prompt, body.suffix, params.max_tokens)
+        prompts = await run_in_threadpool(fim_prompts, state, body.prompt, body.suffix)
     else:
-        prompts = await run_in_threadpool(completion_prompts, state, body.prompt, params.max_tokens)
+        prompts = await run_in_threadpool(completion_prompts, state, body.prompt)
     grammar = await state.compile_grammar(params.structured_outputs, source)
-    requests = [EngineRequest(ids, params, text, f"{completion_id}-{i}", body.cache_salt, grammar)
+    requests = [EngineRequest(ids, within_context(state, params, len(ids)), text, f"{completion_id}-{i}",
+                              body.cache_salt, grammar)
                 for i, (text, ids) in enumerate(prompts)]
     access.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     handle = state.engine.submit(requests, stream=bool(body.stream))
@@ -74,7 +75,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     run = await start_completion(body, request, state)
     if body.stream:
         chunks = (sse(c) async for c in completion_chunks(run, body.include_usage, []))
-        return event_stream(run.handle, chunks, state.request_timeout)
+        return event_stream(run.handle, chunks, state.config)
     body_out, _ = await completion_response(run, request)
     return Response(body_out.model_dump_json(), media_type="application/json")
 
@@ -107,6 +108,6 @@ def _delta_logprobs(state: ServerState, delta: StreamDelta, params: SamplingPara
 
 
 def _usage(requests: list[EngineRequest], outputs) -> Usage:
-    prompt = sum(len(r.prompt_token_ids) for r in requests)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    outputs = list(outputs)
+    return Usage.of(sum(len(r.prompt_token_ids) for r in requests), sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                    sum(cached_tokens(o) for o in outputs))

@@ -23,7 +23,8 @@ from ..errors import InvalidRequestError
 from ..pooling_params import PoolingParams
 from ..pooling_requests import PoolingRun, input_ids, relevance_requests, score_pairs, truncation_limit
 from .errors import APIError, bad_request, parse_body
-from .protocol import TokenIds, _Body, _one_of, unsupported_fields
+from .ignored import ignore_unknown
+from .protocol import TokenIds, _Body, _one_of
 from .state import ServerState
 from .streaming import collect
 
@@ -71,12 +72,6 @@ class OllamaEmbedRequest(_Body):
     options: dict[str, Any] | None = None
 
 
-def _refuse_unknown(body: BaseModel) -> None:
-    unknown = unsupported_fields(body)
-    if unknown:
-        raise bad_request(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0])
-
-
 def _inputs(value: Any) -> list[str | list[int]]:
     if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(t, int) for t in value)):
         return [value]
@@ -121,8 +116,8 @@ router = APIRouter()
 async def create_embeddings(request: Request) -> Response:
     body = await parse_body(request, EmbeddingRequest)
     state: ServerState = request.app.state.server
-    access, request_id, deadline = state.admit(request, body.model, "embd")
-    _refuse_unknown(body)
+    access, request_id, deadline = state.admit(request, "embd")
+    ignore_unknown(body)
     params = PoolingParams("embed", body.dimensions, body.normalize)
     try:
         requests = await run_in_threadpool(_embedding_requests, state, _inputs(body.input), params,
@@ -156,8 +151,8 @@ async def _relevance(state: ServerState, request: Request, pairs: list[tuple[str
 async def rerank(request: Request) -> Response:
     body = await parse_body(request, RerankRequest)
     state: ServerState = request.app.state.server
-    access, request_id, deadline = state.admit(request, body.model, "rerank")
-    _refuse_unknown(body)
+    access, request_id, deadline = state.admit(request, "rerank")
+    ignore_unknown(body)
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     scores, tokens = [], 0
     if documents:
@@ -176,8 +171,8 @@ async def rerank(request: Request) -> Response:
 async def score(request: Request) -> Response:
     body = await parse_body(request, ScoreRequest)
     state: ServerState = request.app.state.server
-    access, request_id, deadline = state.admit(request, body.model, "score")
-    _refuse_unknown(body)
+    access, request_id, deadline = state.admit(request, "score")
+    ignore_unknown(body)
     try:
         pairs = score_pairs(body.text_1, body.text_2)
     except InvalidRequestError as e:
@@ -196,7 +191,7 @@ async def ollama_embed(request: Request) -> Response:
     start = time.perf_counter()
     body = await parse_body(request, OllamaEmbedRequest)
     state: ServerState = request.app.state.server
-    access, request_id, deadline = state.admit(request, body.model, "embed")
+    access, request_id, deadline = state.admit(request, "embed")
     params = PoolingParams("embed", body.dimensions)
     try:
         requests = await run_in_threadpool(_embedding_requests, state, _inputs(body.input), params,

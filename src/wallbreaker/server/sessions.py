@@ -29,7 +29,7 @@ from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request, parse_body
 from .protocol import ChatMessage, TokenIds, _Body
-from .request_params import check_fields
+from .ignored import ignore_unknown
 from .state import ServerState
 from .streaming import collect
 from .tools import template_messages
@@ -60,8 +60,8 @@ def add_session_routes(app: FastAPI, state: ServerState, dependencies: list) -> 
     @app.post("/sessions/{name}/save", dependencies=dependencies)
     async def save(name: str, request: Request) -> Response:
         body = await parse_body(request, SessionSaveRequest)
-        check_fields(body)
-        _, request_id, deadline = state.admit(request, body.model, "session")
+        ignore_unknown(body)
+        _, request_id, deadline = state.admit(request, "session")
         with _api_errors():
             check_session_name(name)
         if (body.prompt is None) == (body.messages is None):
@@ -80,8 +80,8 @@ def add_session_routes(app: FastAPI, state: ServerState, dependencies: list) -> 
     @app.post("/sessions/{name}/restore", dependencies=dependencies)
     async def restore(name: str, request: Request) -> Response:
         body = await parse_body(request, SessionRestoreRequest)
-        check_fields(body)
-        state.admit(request, body.model, "session")
+        ignore_unknown(body)
+        state.admit(request, "session")
         with _api_errors():
             check_session_name(name)
             info, _ = await state.engine.call(partial(state.engine.client.load_session, name))
@@ -89,7 +89,7 @@ def add_session_routes(app: FastAPI, state: ServerState, dependencies: list) -> 
 
     @app.delete("/sessions/{name}", dependencies=dependencies)
     async def delete(name: str, request: Request) -> Response:
-        state.admit(request, None, "session")
+        state.admit(request, "session")
         with _api_errors():
             info = await state.engine.call(partial(state.engine.client.delete_session, name))
         return _answer(state, info)

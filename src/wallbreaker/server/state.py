@@ -14,11 +14,10 @@ from ..sampling_params import StructuredOutputsParams
 from .access_log import AccessRecord
 from .async_engine import AsyncEngine
 from .config import ServerConfig
-from .errors import APIError, bad_request
+from .errors import bad_request
 from .logprobs import TokenStrings
 from .metrics import ServerMetrics
 
-DEFAULT_ALIAS = "default"
 GRAMMAR_THREADS = 2  # compilations at once, off the engine thread
 
 
@@ -45,20 +44,14 @@ class ServerState:
     def request_timeout(self) -> float | None:
         return self.config.request_timeout
 
-    def admit(self, request: Request, model: str | None, prefix: str) -> tuple[AccessRecord, str, float | None]:
-        """A request for `model` starts: its access record, named by a fresh id (`prefix`-...), and
-        its deadline. A 404 for a model this server does not serve."""
+    def admit(self, request: Request, prefix: str) -> tuple[AccessRecord, str, float | None]:
+        """A request starts: its access record, named by a fresh id (`prefix`-...), and its deadline.
+        Whatever model a request names, the one model served answers, as llama-server's does: clients send
+        the names they were made for (Claude Code's `claude-opus-...`), and answers name the model
+        that wrote them."""
         access: AccessRecord = request.state.access
         access.request_id = f"{prefix}-{uuid.uuid4().hex}"
-        deadline = self.deadline()
-        self.check_model(model)
-        return access, access.request_id, deadline
-
-    def check_model(self, name: str | None) -> None:
-        """None (left out) and "default" mean the one model served."""
-        if name is not None and name not in (self.model_name, DEFAULT_ALIAS):
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                           type="not_found_error", param="model", code="model_not_found")
+        return access, access.request_id, self.deadline()
 
     def deadline(self) -> float | None:
         """When a request arriving now times out, on the event loop's clock (for `asyncio.timeout_at`)."""

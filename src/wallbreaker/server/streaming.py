@@ -13,10 +13,12 @@ from starlette.types import Receive, Scope, Send
 from ..engine.client import RequestOutput, StreamDelta
 from .access_log import AccessRecord
 from .async_engine import Finished, RequestHandle
+from .config import ServerConfig
 from .errors import APIError, request_timeout
 from .responses import ErrorResponse
 
 SSE_DONE = "data: [DONE]\n\n"
+SSE_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, and their idle timers restart
 
 
 class ClientDisconnected(APIError):
@@ -63,18 +65,22 @@ async def deltas(handle: RequestHandle, access: AccessRecord, deadline: float | 
         yield event
 
 
-def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], timeout_s: float | None,
+def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], config: ServerConfig,
                  done: str = SSE_DONE, error_event: Callable[[APIError], str] | None = None,
-                 media_type: str = "text/event-stream") -> EventStreamResponse:
+                 media_type: str = "text/event-stream", keepalive: str | None = SSE_KEEPALIVE) -> EventStreamResponse:
     """`chunks` as a whole stream in an API's own framing: a deadline passed or an API error mid-way
     becomes that API's error event (`error_event`; OpenAI's by default), `done` ([DONE]; the other
     APIs and llama.cpp's own routes send nothing: "") ends it, and the requests are aborted however
-    it ends."""
+    it ends. While no chunk comes for `config.keepalive_interval` seconds (a long prompt being
+    prefilled), `keepalive` is sent, so that a client's watchdog (Claude Code drops a stream silent
+    for 5 minutes, and sends it again) sees the server alive; None for framings that have no such
+    event (NDJSON)."""
     error_event = error_event or sse_error
+    timeout_s = config.request_timeout
 
     async def guarded() -> AsyncIterator[str]:
         try:
-            async for chunk in chunks:
+            async for chunk in _with_keepalive(chunks, keepalive, config.keepalive_interval):
                 yield chunk
         except TimeoutError:
             handle.abort("timeout")
@@ -85,6 +91,26 @@ def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], timeout_s: f
             yield done
 
     return EventStreamResponse(guarded(), on_close=handle.abort, media_type=media_type)
+
+
+async def _with_keepalive(chunks: AsyncIterator[str], keepalive: str | None, interval: float) -> AsyncIterator[str]:
+    """`chunks`, with `keepalive` between two of them wherever `interval` seconds pass without one."""
+    if keepalive is None:
+        async for chunk in chunks:
+            yield chunk
+        return
+    source = aiter(chunks)
+    while True:
+        pending = asyncio.ensure_future(anext(source))
+        try:
+            while not (await asyncio.wait({pending}, timeout=interval))[0]:
+                yield keepalive
+            chunk = pending.result()
+        except StopAsyncIteration:
+            return
+        finally:
+            pending.cancel()
+        yield chunk
 
 
 async def collect(handle: RequestHandle, request: Request, deadline: float | None,

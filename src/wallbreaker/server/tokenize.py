@@ -11,7 +11,7 @@ from ..errors import InvalidRequestError
 from .errors import bad_request, parse_body
 from .prompts import check_template_kwargs
 from .protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from .request_params import check_fields
+from .ignored import ignore_unknown
 from .responses import DetokenizeResponse, TokenizeResponse
 from .state import ServerState
 from .tools import template_messages
@@ -24,8 +24,7 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     except ValueError:
         chat = False  # parse_body names the JSON error
     body = await parse_body(request, TokenizeChatRequest if chat else TokenizeCompletionRequest)
-    check_fields(body)
-    state.check_model(body.model)
+    ignore_unknown(body)
     tokenizer = state.llm.tokenizer
     try:
         if isinstance(body, TokenizeChatRequest):
@@ -48,8 +47,7 @@ async def tokenize(request: Request, state: ServerState) -> Response:
 
 async def detokenize(request: Request, state: ServerState) -> Response:
     body = await parse_body(request, DetokenizeRequest)
-    check_fields(body)
-    state.check_model(body.model)
+    ignore_unknown(body)
     try:
         state.engine.client.check_token_ids(body.tokens)
     except InvalidRequestError as e:

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from .errors import APIError, bad_request, validation_error
+from .errors import APIError, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -26,15 +26,6 @@ def completion_request(fields: dict[str, Any]) -> CompletionRequest:
         return CompletionRequest.model_validate(fields)
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
-
-
-def refuse_unknown(body: BaseModel, ignored: frozenset[str] = frozenset()) -> None:
-    """400 for the first field of `body` its model does not know, unless it is one of `ignored`
-    (fields that never change the output). Never a silent drop."""
-    unknown = sorted(k for k in (body.model_extra or {}) if k not in ignored)
-    if unknown:
-        raise bad_request(f"the field '{unknown[0]}' is not supported by this server; leave it out "
-                          f"(unknown fields are refused, not ignored)", param=unknown[0])
 
 
 @contextmanager
