@@ -14,7 +14,9 @@ keeps the two in step.
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -51,24 +53,34 @@ def stream_errors(text: str) -> list[str]:
     return errors
 
 
+def post_fixture(client, name: str):
+    """The fixture's request as its client sent it: its route, headers and Content-Type."""
+    fixture = load_fixture(name)
+    headers = {**fixture["headers"], "content-type": fixture["content_type"]}
+    return client.request(fixture["method"], fixture["path"], content=json.dumps(fixture["body"]).encode(),
+                          headers=headers)
+
+
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_client_body_is_answered_200(client, name: str) -> None:
     fixture = load_fixture(name)
-    headers = {**fixture["headers"], "content-type": fixture["content_type"]}
-    response = client.request(fixture["method"], fixture["path"], content=json.dumps(fixture["body"]).encode(),
-                              headers=headers)
+    response = post_fixture(client, name)
     assert response.status_code == 200, f"{fixture['client']} ({fixture['source']}): {response.text[:1000]}"
     assert not stream_errors(response.text), response.text[-2000:]
 
 
-def documented_fields() -> set[tuple[str, str]]:
-    """(endpoint, field) of every row of docs/clients.md's table whose fourth cell says what we do."""
-    rows = set()
+def documented_rows() -> list[list[str]]:
+    """The rows of docs/clients.md's table (client, endpoint, field, what we do, how), unquoted."""
+    rows = []
     for line in DOCS_TABLE.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 4 and cells[3] in WHAT_WE_DO:
-            rows.add((cells[1].strip("`"), cells[2].strip("`")))
+        if len(cells) == 5 and cells[3] in WHAT_WE_DO:
+            rows.append([cells[0], cells[1].strip("`"), cells[2].strip("`"), cells[3], cells[4]])
     return rows
+
+
+def documented_fields() -> set[tuple[str, str]]:
+    return {(row[1], row[2]) for row in documented_rows()}
 
 
 def field_of(shape: str) -> str:
@@ -95,3 +107,26 @@ def test_fixtures_are_synthetic_and_small() -> None:
         assert (FIXTURES / f"{name}.json").stat().st_size < 16_000, name
         assert fixture["source"].startswith(("captured:", "derived:")), name
         assert {"client", "method", "path", "content_type", "headers", "body"} <= set(fixture), name
+
+
+def test_fields_documented_as_ignored_are_logged_once(client, caplog, monkeypatch) -> None:
+    """An ignored field is named in the log at INFO the first time the process meets it, once: each
+    "ignored (logged)" row says under which name ("logged as `name`"), and posting every fixture
+    (several carry the same field) logs each such name exactly once."""
+    from wallbreaker.server import ignored
+
+    monkeypatch.setattr(ignored, "_seen", set())  # what earlier tests in this process logged
+    with caplog.at_level(logging.INFO, logger="wallbreaker.server"):
+        for name in FIXTURE_NAMES:
+            post_fixture(client, name)
+    logged = Counter(m.group(1) for r in caplog.records
+                     if (m := re.search(r"ignoring the field '([^']+)'", r.getMessage())))
+    expected = {}
+    for row in documented_rows():
+        if row[3] == "ignored (logged)":
+            named = re.search(r"logged as `([^`]+)`", row[4])
+            assert named, f"{row[1]} {row[2]}: say under which name it is logged"
+            expected[named.group(1)] = f"{row[1]} {row[2]}"
+    missing = {name: field for name, field in expected.items() if name not in logged}
+    assert not missing, f"documented as ignored (logged) but not logged: {missing}; logged: {dict(logged)}"
+    assert all(count == 1 for count in logged.values()), logged
