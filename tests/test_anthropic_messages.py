@@ -240,3 +240,46 @@ def test_reasoning_the_chat_answer_carries_becomes_a_thinking_block_first():
         ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_stop", 0),
         ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1)]
     assert events[1]["delta"] == {"type": "thinking_delta", "thinking": "The capital"}
+
+
+# -- what Claude Code sends ------------------------------------------------------------------------
+def count(url: str, **fields) -> int:
+    response = post(url, {"model": "claude-opus-5-5", "messages": USER, **fields}, "/v1/messages/count_tokens")
+    assert response.status_code == 200, response.text
+    return response.json()["input_tokens"]
+
+
+def test_the_billing_header_block_is_left_out_of_the_prompt(url):
+    system = [{"type": "text", "text": "You are a helpful agent.", "cache_control": {"type": "ephemeral"}}]
+    billed = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.1.abc; cc_entrypoint=cli;"}, *system]
+    other = [{"type": "text", "text": "cc_version=2.1.1.abc; cc_entrypoint=cli;"}, *system]
+    assert count(url, system=billed) == count(url, system=system) < count(url, system=other)
+
+
+def test_a_mid_conversation_system_message_is_the_chat_one(client, chat):
+    turns = [USER[0], {"role": "system", "content": "Answer in French."}]
+    message = client.messages.create(model="claude-opus-5-5", max_tokens=8, messages=turns, extra_body=GREEDY)
+    same = chat.chat.completions.create(model="x", max_tokens=8, messages=turns, extra_body=GREEDY)
+    assert message.content[0].text == same.choices[0].message.content
+
+
+def test_deferred_tools_stay_out_of_the_list_and_a_tool_reference_loads_one(url):
+    lookup = {"name": "lookup", "description": "Looks a word up", "defer_loading": True,
+              "input_schema": {"type": "object", "properties": {"word": {"type": "string"}}}}
+    assert count(url, tools=[*TOOLS, lookup]) == count(url, tools=TOOLS)
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}]}
+
+    def result(content: list) -> list:
+        return [*USER, call, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": content}]}]
+    definition = json.dumps({"name": "lookup", "description": "Looks a word up", "parameters": lookup["input_schema"]})
+    loaded = count(url, tools=[*TOOLS, lookup], messages=result([{"type": "tool_reference", "tool_name": "lookup"}]))
+    assert loaded == count(url, tools=TOOLS, messages=result([{"type": "text", "text": definition}]))
+
+
+def test_server_tools_and_unknown_fields_are_left_aside(url):
+    body = {"model": "claude-opus-5-5", "max_tokens": 2, "messages": USER, "context_management": {"edits": []},
+            "output_config": {"effort": "high"}, "thinking": {"type": "adaptive"},
+            "tools": [*TOOLS, {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]}
+    response = post(url, body)
+    assert response.status_code == 200, response.text
+    assert count(url, tools=body["tools"]) == count(url, tools=TOOLS)

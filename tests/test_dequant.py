@@ -140,11 +140,15 @@ def test_wrong_size() -> None:
 
 
 def _ggml() -> ctypes.CDLL:
-    """llama.cpp's libggml-base from $LLAMA_CPP_DIR (its build's bin folder), or skip."""
+    """llama.cpp's libggml-base from $LLAMA_CPP_DIR (its build's bin folder), else the one `make
+    llamacpp` builds into the cache folder (tests/llamacpp_converter.py), or skip."""
+    from llamacpp_converter import ggml_lib_dir
+    from wallbreaker.formats.packaged import cache_dir
     folder = os.environ.get("LLAMA_CPP_DIR")
-    path = Path(folder) / "libggml-base.so" if folder else None
-    if path is None or not path.is_file():
-        pytest.skip("set LLAMA_CPP_DIR to a llama.cpp build's bin folder (with libggml-base.so)")
+    path = (Path(folder) if folder else ggml_lib_dir(cache_dir())) / "libggml-base.so"
+    if not path.is_file():
+        pytest.skip("run `make llamacpp` (builds llama.cpp's libggml-base into the cache folder) or set "
+                    "LLAMA_CPP_DIR to a llama.cpp build's bin folder (with libggml-base.so)")
     return ctypes.CDLL(str(path))
 
 

@@ -210,3 +210,43 @@ def test_reasoning_the_chat_answer_carries_becomes_a_reasoning_item_first():
                      "response.output_text.delta", "response.output_text.done", "response.content_part.done",
                      "response.output_item.done"]
     assert [i["type"] for i in writer.items] == ["reasoning", "message"]
+
+
+# -- what Codex sends ------------------------------------------------------------------------------
+def test_a_namespaced_function_is_called_by_its_name_and_comes_back_with_its_namespace(client, url):
+    group = {"type": "namespace", "name": "weather_v1", "description": "Weather tools", "tools": TOOLS}
+    flat = client.responses.create(model="gpt-5-codex", input=USER, tools=TOOLS, tool_choice=FORCE, temperature=0)
+    grouped = client.responses.create(model="gpt-5-codex", input=USER, temperature=0, tool_choice=FORCE,
+                                      tools=[group, {"type": "web_search", "external_web_access": False}],
+                                      extra_body={"client_metadata": {"session_id": "s"}, "prompt_cache_key": "k"})
+    call, same = grouped.output[-1], flat.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather" and call.arguments == same.arguments
+    assert call.namespace == "weather_v1" and same.namespace is None  # the field as the openai client reads it
+    streamed = [e for e in client.responses.create(model="x", input=USER, temperature=0, tool_choice=FORCE,
+                                                    tools=[group], stream=True)]
+    done = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert done[-1].namespace == "weather_v1" and done[-1].arguments == same.arguments
+
+
+def test_custom_tool_calls_in_the_history_are_calls_with_an_input_argument():
+    messages = input_messages([
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Patch it"}]},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done"},
+        {"type": "web_search_call", "id": "ws1", "status": "completed"}])
+    assert messages == [
+        {"role": "user", "content": "Patch it"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "apply_patch", "arguments": json.dumps({"input": "*** Begin Patch"})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Done"}]
+
+
+def test_the_prefix_cache_hit_is_reported_as_cached_tokens(client):
+    long_input = USER + " Answer with care, in one short sentence, and name the source." * 4
+    first = client.responses.create(model="x", input=long_input, max_output_tokens=2, temperature=0)
+    again = client.responses.create(model="x", input=long_input, max_output_tokens=2, temperature=0)
+    chat = client.chat.completions.create(model="x", max_tokens=2, temperature=0,
+                                          messages=[{"role": "user", "content": long_input}])
+    assert first.usage.input_tokens == again.usage.input_tokens == chat.usage.prompt_tokens
+    assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
+    assert chat.usage.prompt_tokens_details.cached_tokens == again.usage.input_tokens_details.cached_tokens

@@ -17,7 +17,8 @@ from server_apps import app_client, assert_openai_error, make_app, running_serve
 from server_process import free_port
 
 from wallbreaker.formats.chat_template import ChatTemplate
-from wallbreaker.server.tools import HermesParser, Llama3JsonParser, MistralParser, ToolStream, parser_for
+from wallbreaker.server.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for
+from wallbreaker.server.tools import ToolStream
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},

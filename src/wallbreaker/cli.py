@@ -25,7 +25,8 @@ def command(name: str):
 # What a flag does, where its field's name and default do not say it all.
 HELP = {
     "model": "a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2)",
-    "dtype": "float32: the exact reference path; auto: packed weights through our kernels",
+    "dtype": "float32: the exact reference path; auto: packed weights through our kernels (a pooling model: "
+             "its checkpoint's precision); packed: our kernels for every model, float weights Q8_0 at load",
     "num_threads": "torch threads (default: prefill on torch's count, decode on the count measured fastest now; "
                    "under tensor parallelism, the cores per rank)",
     "kv_cache_memory_gb": "the KV pool, GiB (default: half the free memory after the weights and 1 GB, at most 4, "
@@ -49,6 +50,7 @@ HELP = {
     "stop_token_ids": "a token id that ends the output (repeatable)",
     "ignore_eos": "keep generating past the model's end-of-sequence token",
     "include_stop_str_in_output": "keep the stop string that ended the output",
+    "skip_special_tokens": "leave special tokens (<|im_end|>, tool-call markers) out of the text",
     "method": "how to round (mixed: a width per tensor to meet --bits on average)",
     "bits": "2..8; for mixed, the target average (e.g. 3.5)",
     "group_size": "inputs per scale (default: 128; 32 for a .gguf output)",

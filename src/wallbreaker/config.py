@@ -395,6 +395,10 @@ class ModelConfig:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # int8: symmetric, one float32 scale per token and KV head (amax / 127); fp8: e4m3 with such a
 # scale (amax / 448). Both are written by the fused cache write and read by the paged kernel.
+# `packed`: our kernels' path for every model (stored GGUF blocks as they are, float weights Q8_0 at
+# load). `auto` is the same for a generative model; a pooling model keeps its checkpoint's precision
+# (formats/stored_precision.py), so that its vectors are the reference's.
+PACKED_DTYPES = ("auto", "packed")
 KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
                    "fp8": torch.float8_e4m3fn}
 
@@ -440,8 +444,9 @@ class EngineConfig:
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *_DTYPES):
-            raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.dtype not in (*PACKED_DTYPES, *_DTYPES):
+            raise InvalidRequestError(f"dtype must be one of {', '.join((*PACKED_DTYPES, *_DTYPES))}; "
+                                      f"got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
             raise InvalidRequestError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; "
                                       f"got {self.kv_cache_dtype!r}")
@@ -479,7 +484,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The activation (and KV cache) dtype."""
-        return torch.float32 if self.dtype == "auto" else _DTYPES[self.dtype]
+        return torch.float32 if self.dtype in PACKED_DTYPES else _DTYPES[self.dtype]
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
@@ -487,9 +492,10 @@ class EngineConfig:
         more than the weights), the model's dtype on the others (float32: the exact path)."""
         if self.kv_cache_dtype != "auto":
             return KV_CACHE_DTYPES[self.kv_cache_dtype]
-        return torch.bfloat16 if self.dtype == "auto" else self.torch_dtype
+        return torch.bfloat16 if self.dtype in PACKED_DTYPES else self.torch_dtype
 
     @property
     def packed_weights(self) -> bool:
-        """`auto` on the CPU keeps linear weights as GGUF blocks for our kernels (wallbreaker.kernels)."""
-        return self.dtype == "auto" and torch.device(self.device).type == "cpu"
+        """`auto` and `packed` on the CPU keep linear weights as GGUF blocks for our kernels
+        (wallbreaker.kernels); float weights are made Q8_0 at load."""
+        return self.dtype in PACKED_DTYPES and torch.device(self.device).type == "cpu"

@@ -23,6 +23,7 @@ from . import kernels
 from .errors import EngineError, InvalidRequestError
 from .formats import ModelFiles, open_model
 from .formats.packaged import cache_dir
+from .formats.stored_precision import stored_dtype
 from .kernels.repack_cache import source_identity
 from .kv import BlockManager, BlockPool
 from .kv.cache import default_num_blocks, make_kv_cache, memory_budget
@@ -77,6 +78,8 @@ class LLM:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         files = open_model(model)  # dropped after the load: the model keeps views of what it reads
+        if files.config.pooling is not None and self.config.dtype == "auto":  # the reference's vectors
+            self.config = dataclasses.replace(self.config, dtype=stored_dtype(files.weights))
         self.model_path = files.path
         self.model_config = files.config
         self.tokenizer = files.tokenizer

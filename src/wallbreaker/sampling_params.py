@@ -129,6 +129,8 @@ class SamplingParams:
     repeat_last_n: int = -1
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # False keeps special tokens in the text (vLLM's name): tool-call and harmony markers are special
+    skip_special_tokens: bool = True
     # constraints (vLLM's names): the output fits a grammar; token id -> a bias added to its logit
     # (-100..100); only these token ids; never these words (as the tokenizer writes them, with or
     # without a leading space)
@@ -170,7 +172,7 @@ class SamplingParams:
         for name in ("max_tokens", "seed", "logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
 

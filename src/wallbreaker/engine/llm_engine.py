@@ -218,7 +218,7 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed + index)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop or [],
-                                       params.include_stop_str_in_output)
+                                       params.include_stop_str_in_output, params.skip_special_tokens)
         stops = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(next(self._seq_ids), request.request_id, index, token_ids, len(request.prompt_token_ids),
                        params, detok, generator, stop_token_ids=stops, cache_salt=request.cache_salt,

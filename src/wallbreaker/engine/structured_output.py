@@ -2,7 +2,8 @@
 
 The grammar engine is llguidance (BENCHMARKS.md, structured output, has the measurements against
 xgrammar). A constraint (`StructuredOutputsParams`: a JSON schema, a regex, a choice of strings,
-an EBNF/GBNF or Lark grammar) compiles once into a `Grammar`, cached by the constraint's canonical
+an EBNF/GBNF or Lark grammar) compiles once (a JSON schema closed first, as llama.cpp reads it:
+engine/closed_schema.py) into a `Grammar`, cached by the constraint's canonical
 text; each sequence holds its own `GrammarMatcher`, a copy of the grammar's initial state that
 advances on every token the sequence appends. Before a token is sampled the matcher writes the
 tokens it allows into a bitmask row (bit t % 32 of word t // 32: token t), which the sampler
@@ -30,6 +31,7 @@ import torch
 from ..errors import InvalidRequestError
 from ..layers.sampler import TokenMask
 from ..sampling_params import StructuredOutputsParams
+from .closed_schema import closed
 
 if TYPE_CHECKING:
     import llguidance
@@ -271,7 +273,7 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
     if spec.kind == "json":
         try:
-            return LLMatcher.grammar_from_json_schema(spec.json, overrides=options)
+            return LLMatcher.grammar_from_json_schema(closed(spec.json), overrides=options)
         except ValueError as e:
             raise GrammarError(f"invalid JSON schema: {_first_line(str(e))}") from None
     if spec.kind == "regex":

@@ -19,6 +19,7 @@ from .async_engine import RequestHandle
 from .logprobs import chat_logprobs
 from .prompts import chat_prompt, within_context
 from .protocol import ChatCompletionRequest
+from .harmony import HarmonyReasoning, HarmonyStream, is_harmony
 from .reasoning import ReasoningParser, ReasoningStream
 from .request_params import chat_params
 from .responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatStreamChoice,
@@ -42,7 +43,7 @@ class ChatRun:
     deadline: float | None
     plan: ToolPlan | None
     parallel: bool
-    reasoning: ReasoningParser | None  # the chat template's thinking style, if it has one
+    reasoning: ReasoningParser | HarmonyReasoning | None  # the chat template's thinking style, if it has one
 
     @property
     def chat_id(self) -> str:
@@ -59,6 +60,11 @@ async def start_chat(body: ChatCompletionRequest, request: Request, state: Serve
     access, chat_id, deadline = state.admit(request, prefix)
     plan = plan_tools(body, state.llm.chat_template)
     params, source = chat_params(body, plan.spec if plan is not None and plan.forced else None)
+    template_source = state.llm.chat_template.source
+    reasoning = HarmonyReasoning() if is_harmony(template_source) else ReasoningParser.for_template(template_source)
+    if isinstance(reasoning, HarmonyReasoning) or (plan is not None and plan.choice == "auto"
+                                                  and plan.parser.special_markers):
+        params.skip_special_tokens = False  # the markers to read are special tokens
     text, ids = await run_in_threadpool(chat_prompt, state, body.messages, plan, body.chat_template_kwargs)
     params = within_context(state, params, len(ids))
     grammar = await state.compile_grammar(params.structured_outputs, source)
@@ -66,7 +72,7 @@ async def start_chat(body: ChatCompletionRequest, request: Request, state: Serve
     access.prompt_tokens = len(ids)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))
     return ChatRun(state, handle, engine_request, access, deadline, plan, body.parallel_tool_calls is not False,
-                   ReasoningParser.for_template(state.llm.chat_template.source))
+                   reasoning)
 
 
 async def chat_response(run: ChatRun, request: Request) -> tuple[ChatCompletionResponse, RequestOutput]:
@@ -127,7 +133,7 @@ class _ChoiceStream:
     """What one streamed choice sends, by the request's tool plan: content as it comes (no tools),
     a named call's arguments as they come, a required call list or auto calls once complete."""
 
-    def __init__(self, plan: ToolPlan | None, parallel: bool, reasoning: ReasoningStream | None = None):
+    def __init__(self, plan: ToolPlan | None, parallel: bool, reasoning: ReasoningStream | HarmonyStream | None = None):
         self.plan = plan
         self.reasoning = reasoning
         self.parallel = parallel

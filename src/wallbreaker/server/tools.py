@@ -3,11 +3,12 @@
 - The chat template receives `tools` (OpenAI's shape), assistant `tool_calls` (arguments as objects)
   and `role: tool` messages. A template that does not take tools (SmolLM2's) gets them as Hermes
   does it: a system message listing them, calls written as `<tool_call>` text, answers as
-  `<tool_response>` text.
+  `<tool_response>` text. One that writes calls but lists no tools (DeepSeek-V3.1's) gets the
+  listing its model card gives, after the system message.
 - `tool_choice: "auto"` (the default with tools) lets the model answer or call, and its own format is
-  parsed into `tool_calls`: Hermes / Qwen2.5 `<tool_call>{...}</tool_call>`, Llama 3 JSON
-  (`{"name": ..., "parameters": ...}`, after `<|python_tag|>` or alone) or Mistral `[TOOL_CALLS]`
-  (a JSON list, or `name[ARGS]{...}`), chosen from what the template writes.
+  parsed into `tool_calls` (server/tool_parsers/, one file a family: Hermes / Qwen2.5, Qwen3-Coder's
+  XML, Llama 3 JSON, Mistral `[TOOL_CALLS]`, DeepSeek's, gpt-oss's harmony), chosen from what the
+  template writes. A call that does not parse stays text.
 - `"required"` and a named function constrain the output with a grammar: a named call's output is
   its arguments (the function's parameter schema), a required one a JSON list of calls, each one of
   the tools with arguments that fit its parameters; both compact JSON.
@@ -16,16 +17,14 @@
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from ..formats.chat_template import ChatTemplate
 from ..sampling_params import StructuredOutputsParams
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, NamedToolChoice
+from .tool_parsers import Call, DeepSeekParser, ToolParser, call_from, loads, parser_for
+from .tool_parsers.deepseek import deepseek_tool_listing
 
 HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -33,155 +32,6 @@ HERMES_SYSTEM = (
     "For each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
     "<args-json-object>}}\n</tool_call>")
-
-
-@dataclass
-class Call:
-    name: str
-    arguments: str  # JSON text
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-
-# -- parsers: the model's own way of writing calls ----------------------------------------------
-class ToolParser(ABC):
-    """Finds calls in a model's output. `start` is where the calls begin in a text (None: no call,
-    or not yet); `parse` splits a whole output into content and calls."""
-
-    name = "base"
-    markers: tuple[str, ...] = ()
-
-    def start(self, text: str) -> int | None:
-        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
-        return min(found) if found else None
-
-    def holdback(self, text: str) -> int:
-        """How many characters at the end of `text` might be the beginning of a marker."""
-        for k in range(min(max((len(m) for m in self.markers), default=0), len(text)), 0, -1):
-            if any(m.startswith(text[-k:]) for m in self.markers):
-                return k
-        return 0
-
-    def parse(self, text: str) -> tuple[str | None, list[Call]]:
-        start = self.start(text)
-        if start is None:
-            return text, []
-        calls = self._calls(text[start:])
-        if not calls:
-            return text, []
-        content = text[:start].strip()
-        return content or None, calls
-
-    @abstractmethod
-    def _calls(self, text: str) -> list[Call]:
-        """The calls in `text`, which begins at the first marker; [] unless every one parses."""
-
-
-class HermesParser(ToolParser):
-    name = "hermes"
-    markers = ("<tool_call>",)
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def _calls(self, text: str) -> list[Call]:
-        calls = [_call(m.group(1)) for m in self._CALL.finditer(text)]
-        return calls if calls and all(calls) else []
-
-
-class Llama3JsonParser(ToolParser):
-    """Llama 3.1/3.2's JSON calls: the whole output is `{"name": ..., "parameters": {...}}` (several
-    joined by `;`), perhaps after `<|python_tag|>`."""
-
-    name = "llama3_json"
-    markers = ("<|python_tag|>", "{")
-
-    def start(self, text: str) -> int | None:
-        stripped = text.lstrip()
-        if stripped.startswith("<|python_tag|>") or stripped.startswith("{"):
-            return len(text) - len(stripped)
-        return None
-
-    def holdback(self, text: str) -> int:
-        stripped = text.lstrip()
-        return len(text) if not stripped or "<|python_tag|>".startswith(stripped) else 0
-
-    def _calls(self, text: str) -> list[Call]:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        calls = []
-        decoder = json.JSONDecoder()
-        pos = 0
-        while pos < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, pos)
-            except ValueError:
-                return []
-            call = _call_from(obj)
-            if call is None:
-                return []
-            calls.append(call)
-            pos = end
-            while pos < len(body) and body[pos] in " \t\r\n;":
-                pos += 1
-        return calls
-
-
-class MistralParser(ToolParser):
-    """Mistral's `[TOOL_CALLS]` and then a JSON list of calls (v3), or `name[ARGS]{...}` each (v11+)."""
-
-    name = "mistral"
-    markers = ("[TOOL_CALLS]",)
-
-    def _calls(self, text: str) -> list[Call]:
-        calls: list[Call] = []
-        for part in text.split("[TOOL_CALLS]")[1:]:
-            part = part.strip()
-            if "[ARGS]" in part:
-                name, _, args = part.partition("[ARGS]")
-                call = _call(json.dumps({"name": name.strip(), "arguments": _loads(args)}))
-                if call is None:
-                    return []
-                calls.append(call)
-                continue
-            value = _loads(part)
-            items = value if isinstance(value, list) else [value]
-            for item in items:
-                call = _call_from(item)
-                if call is None:
-                    return []
-                calls.append(call)
-        return calls
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.JSONDecoder().raw_decode(text.strip())[0]
-    except ValueError:
-        return None
-
-
-def _call(text: str) -> Call | None:
-    return _call_from(_loads(text))
-
-
-def _call_from(obj: Any) -> Call | None:
-    """A call from {"name": ..., "arguments" or "parameters": {...}} (arguments may be JSON text)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        parsed = _loads(args)
-        args = parsed if isinstance(parsed, dict) else args
-    return Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-def parser_for(template: ChatTemplate) -> ToolParser:
-    """The format the model writes calls in, judged from what its template writes."""
-    source = template.source
-    if "[TOOL_CALLS]" in source:
-        return MistralParser()
-    if "<tool_call>" in source or not template.supports_tools:  # no tools in the template: ours, Hermes's
-        return HermesParser()
-    if "<|python_tag|>" in source or "<|start_header_id|>" in source:
-        return Llama3JsonParser()
-    return HermesParser()
 
 
 # -- the request's plan -------------------------------------------------------------------------
@@ -202,8 +52,8 @@ class ToolPlan:
         if self.choice == "named":
             return None, [Call(self.name, text)]
         if self.choice == "required":
-            value = _loads(text)
-            calls = [_call_from(v) for v in value] if isinstance(value, list) else []
+            value = loads(text)
+            calls = [call_from(v) for v in value] if isinstance(value, list) else []
             if not calls or not all(calls):  # cut short (max_tokens): what came is left as content
                 return text, []
             return None, calls
@@ -221,7 +71,7 @@ def plan_tools(body: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan 
         return None
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     by_name = {t.function.name: t.function for t in body.tools}
-    parser = parser_for(template)
+    parser = parser_for(template, tools)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in by_name:
@@ -255,6 +105,8 @@ def template_messages(messages: list[dict], tools: list[dict] | None,
     uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     if template.supports_tools or not uses_tools:
         return messages, tools
+    if isinstance(parser_for(template), DeepSeekParser):  # writes calls itself, lists no tools
+        return _with_system(messages, deepseek_tool_listing(tools)) if tools else messages, None
     out: list[dict] = []
     for m in messages:
         if m.get("role") == "assistant" and m.get("tool_calls"):
@@ -275,12 +127,15 @@ def template_messages(messages: list[dict], tools: list[dict] | None,
     for m in out:
         m.pop("_tool_answers", None)
     if tools:
-        listing = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-        if out and out[0].get("role") == "system":
-            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{listing}".lstrip()}
-        else:
-            out.insert(0, {"role": "system", "content": listing})
+        out = _with_system(out, HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools)))
     return out, None
+
+
+def _with_system(messages: list[dict], listing: str) -> list[dict]:
+    """`listing` after the system message (a new one if there is none)."""
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{listing}".lstrip()}] + messages[1:]
+    return [{"role": "system", "content": listing}] + messages
 
 
 # -- streaming ----------------------------------------------------------------------------------
