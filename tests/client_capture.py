@@ -36,8 +36,8 @@ _DROPPED = {"host", "content-length", "transfer-encoding", "connection", "keep-a
 
 # Generated text or tool-call arguments in a streamed (or whole) answer of any of the four APIs:
 # where the first token reaches the client (a ping or an empty first delta does not count)
-_GENERATED = re.compile(rb'"(text_delta|input_json_delta|response\.output_text\.delta|response\.function_call_arguments\.delta)"'
-                        rb'|"(content|response|arguments)": ?"[^"]')
+_GENERATED = re.compile(rb'"(text_delta|input_json_delta|response\.output_text\.delta'
+                        rb'|response\.function_call_arguments\.delta)"|"(content|response|arguments)": ?"[^"]')
 
 
 def _parse_body(raw: bytes) -> Any:

@@ -47,8 +47,9 @@ def _messages_stream(body: dict, file: str) -> Iterator[str]:
     yield _sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": block})
     yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
     yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+    stop = "end_turn" if answered else "tool_use"
     yield _sse("message_delta", {"type": "message_delta", "usage": {"output_tokens": 1},
-                                 "delta": {"stop_reason": "end_turn" if answered else "tool_use", "stop_sequence": None}})
+                                 "delta": {"stop_reason": stop, "stop_sequence": None}})
     yield _sse("message_stop", {"type": "message_stop"})
 
 

@@ -12,6 +12,7 @@ Each test skips, naming the install command, where its client is not installed (
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -94,10 +95,11 @@ def test_opencode_run_prints_the_answer(hello_server: ServerProcess, tmp_path: P
     home = tmp_path / "home"
     config = home / ".config" / "opencode"
     config.mkdir(parents=True)
-    (config / "opencode.json").write_text(
-        '{"$schema": "https://opencode.ai/config.json", "model": "wallbreaker/hello", "provider": {"wallbreaker": '
-        '{"npm": "@ai-sdk/openai-compatible", "name": "wallbreaker", '
-        f'"options": {{"baseURL": "{hello_server.url}/v1", "apiKey": "x"}}, "models": {{"hello": {{"name": "hello"}}}}}}}}}}')
+    provider = {"npm": "@ai-sdk/openai-compatible", "name": "wallbreaker", "models": {"hello": {"name": "hello"}},
+                "options": {"baseURL": f"{hello_server.url}/v1", "apiKey": "x"}}
+    settings = {"$schema": "https://opencode.ai/config.json", "model": "wallbreaker/hello",
+                "provider": {"wallbreaker": provider}}
+    (config / "opencode.json").write_text(json.dumps(settings))
     env = client_env(home, XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"),
                      XDG_CACHE_HOME=str(home / ".cache"), XDG_STATE_HOME=str(home / ".local/state"))
     out = run_client([opencode, "run", PROMPT], tmp_path / "work", env, hello_server)

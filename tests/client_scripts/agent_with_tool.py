@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_api, set_default_openai_client
-from agents import set_tracing_disabled
+from agents import (Agent, ModelSettings, Runner, function_tool, set_default_openai_api, set_default_openai_client,
+                    set_tracing_disabled)
 from openai import AsyncOpenAI
 
 
