@@ -8,7 +8,9 @@ with this behind tests/client_capture.py:
     python tests/client_capture.py --upstream http://127.0.0.1:8741 --port 8742 --out /tmp/capture/claude
     ANTHROPIC_BASE_URL=http://127.0.0.1:8742 ANTHROPIC_API_KEY=x claude -p "Read notes.txt ..."
 
-Anthropic Messages: a `Read` tool_use of `--file`, then text once a `tool_result` comes back.
+Anthropic Messages: a `Read` tool_use of `--file` (or `--tool NAME --input JSON`: e.g. `--tool ToolSearch
+--input '{"query": "select:WebFetch"}'` with `ENABLE_TOOL_SEARCH=true`, for the deferred-tool shapes),
+then text once a `tool_result` comes back.
 Responses: an `exec_command` call that cats `--file` (Codex's shell tool), then a message once a
 `function_call_output` comes back. Both streamed, as these clients ask.
 """
@@ -32,7 +34,7 @@ def _sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
-def _messages_stream(body: dict, file: str) -> Iterator[str]:
+def _messages_stream(body: dict, tool: str, tool_input: dict) -> Iterator[str]:
     answered = any(isinstance(m["content"], list) and any(b.get("type") == "tool_result" for b in m["content"])
                    for m in body["messages"])
     yield _sse("message_start", {"type": "message_start", "message": {
@@ -42,8 +44,8 @@ def _messages_stream(body: dict, file: str) -> Iterator[str]:
         block = {"type": "text", "text": ""}
         delta = {"type": "text_delta", "text": ANSWER}
     else:
-        block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:8]}", "name": "Read", "input": {}}
-        delta = {"type": "input_json_delta", "partial_json": json.dumps({"file_path": file})}
+        block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:8]}", "name": tool, "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_input)}
     yield _sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": block})
     yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
     yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
@@ -73,9 +75,11 @@ def _responses_stream(body: dict, file: str) -> Iterator[str]:
         **response, "status": "completed", "output": [item], "usage": usage}})
 
 
-def scripted_app(file: str) -> Starlette:
+def scripted_app(file: str, tool: str = "Read", tool_input: dict | None = None) -> Starlette:
+    tool_input = {"file_path": file} if tool_input is None else tool_input
+
     async def messages(request: Request) -> StreamingResponse:
-        return StreamingResponse(_messages_stream(await request.json(), file), media_type="text/event-stream")
+        return StreamingResponse(_messages_stream(await request.json(), tool, tool_input), media_type="text/event-stream")
 
     async def responses(request: Request) -> StreamingResponse:
         return StreamingResponse(_responses_stream(await request.json(), file), media_type="text/event-stream")
@@ -91,8 +95,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--file", required=True, help="the file the scripted tool call reads")
+    parser.add_argument("--tool", default="Read", help="the tool of the Anthropic tool_use")
+    parser.add_argument("--input", type=json.loads, default=None, help="its input, JSON (default: the file's path)")
     args = parser.parse_args()
-    uvicorn.run(scripted_app(args.file), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(scripted_app(args.file, args.tool, args.input), host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
