@@ -79,7 +79,8 @@ def scripted_app(file: str, tool: str = "Read", tool_input: dict | None = None) 
     tool_input = {"file_path": file} if tool_input is None else tool_input
 
     async def messages(request: Request) -> StreamingResponse:
-        return StreamingResponse(_messages_stream(await request.json(), tool, tool_input), media_type="text/event-stream")
+        stream = _messages_stream(await request.json(), tool, tool_input)
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     async def responses(request: Request) -> StreamingResponse:
         return StreamingResponse(_responses_stream(await request.json(), file), media_type="text/event-stream")
