@@ -120,9 +120,8 @@ def test_fixtures_are_synthetic_and_small() -> None:
 
 def test_fields_documented_as_ignored_are_logged_once(client, caplog, monkeypatch) -> None:
     """An ignored field is named in the log at INFO the first time the process meets it in an object of
-    its kind, once: each
-    "ignored (logged)" row says under which name ("logged as `name`"), and posting every fixture
-    (several carry the same field) logs each such name exactly once."""
+    its kind, once: each "ignored (logged)" row says under which name ("logged as `name`"), and
+    posting every fixture (several carry the same field) logs each name once per kind of object."""
     from wallbreaker.server import ignored
 
     monkeypatch.setattr(ignored, "_seen", set())  # what earlier tests in this process logged
