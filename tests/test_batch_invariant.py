@@ -112,8 +112,9 @@ def test_quantized_pages_read_back_from_disk_give_the_cold_logits(tiny_qwen2, tm
     assert (warm_tokens, warm[0].tolist()) == (cold_tokens, cold[0].tolist())
 
 
-def test_the_mode_is_refused_for_an_encoder(tmp_path):
+def test_an_encoder_loads_with_the_default(tmp_path):
+    """An encoder computes each input whole: the mode (on by default) leaves it as it is."""
     pytest.importorskip("transformers")
     from tiny_pooling_models import make_tiny_bert
-    with pytest.raises(ValueError, match="batch_invariant"):
-        LLM(str(make_tiny_bert(tmp_path, cross_encoder=False)), batch_invariant=True)
+    llm = LLM(str(make_tiny_bert(tmp_path, cross_encoder=False)))
+    assert llm.config.batch_invariant and len(llm.embed(["a b c"])[0]) > 0
