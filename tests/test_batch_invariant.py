@@ -10,7 +10,7 @@ import torch
 
 from wallbreaker import LLM, SamplingParams
 from wallbreaker import kernels as qk
-from wallbreaker.layers.linear import Linear, QuantLinear
+from wallbreaker.layers.linear import Linear, PromptRows, QuantLinear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 DOCUMENT = [(7 * i + 3) % 200 + 3 for i in range(150)]
@@ -40,6 +40,46 @@ def test_a_quantized_linear_row_is_the_same_alone_and_among_many():
     whole = layer(x)
     for rows in (slice(62, 80), slice(79, 80), slice(0, 40)):
         assert torch.equal(layer(x[rows]), whole[rows])
+
+
+@pytest.fixture(params=[False, True], ids=["tiles", "dense"])
+def dense(request, monkeypatch) -> bool:
+    """The dense bfloat16 prefill path off, and on wherever the CPU can run it (not only with AMX):
+    WALLBREAKER_DENSE_PREFILL (kernels/__init__.py `dense_path`)."""
+    if request.param and not qk._C.dense_supported():
+        pytest.skip("the dense path needs AVX-512 BF16")
+    monkeypatch.setenv("WALLBREAKER_DENSE_PREFILL", "1" if request.param else "0")
+    monkeypatch.setattr(qk, "_dense", None)
+    assert qk.dense_path() == request.param or qk.isa() != "avx512"
+    return request.param
+
+
+def test_prompt_and_generated_rows_are_the_same_in_any_call(dense):
+    """A step's generated rows come first, its prompt rows last (`PromptRows.start`): each row gets
+    its path's bits whatever the call holds, alone, among a few, or among 700 (two dense calls)."""
+    torch.manual_seed(0)
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    raw = torch.from_numpy(gguf.quantize(torch.randn(1024, 896).numpy(), qtype))  # oneDNN's blocking varies with M here
+    layer = QuantLinear([(qk.pack_rows(raw, qtype), int(qtype))], 896)
+    layer.batch_invariant, layer.prompt_rows = True, PromptRows()
+
+    def step(x: torch.Tensor, generated: int) -> torch.Tensor:
+        layer.prompt_rows.start = generated
+        return layer(x)
+    x = torch.randn(700, 896)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # oneDNN's kernel for 33-500 rows differs from 600's at 2 threads, not at 1
+    try:
+        whole = step(x, 100)  # 100 generated rows, 600 prompt rows
+        assert torch.equal(step(x[:1], 1), whole[:1])
+        assert torch.equal(step(x[40:60], 20), whole[40:60])
+        assert torch.equal(step(x[650:657], 0), whole[650:657])
+        assert torch.equal(step(x[99:134], 1), whole[99:134])
+        assert torch.equal(step(x[100:], 0), whole[100:])
+        if dense:  # the paths differ: a row's path must not depend on its call
+            assert not torch.equal(step(x[100:101], 1), whole[100:101])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def first_logits(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor], list[dict]]:
@@ -78,7 +118,7 @@ def model(request, tiny_of, dtype):
     return tiny.gguf_path if dtype == "float32" else tiny.quantized_gguf(gguf.GGMLQuantizationType.Q8_0)
 
 
-def test_a_reused_prefix_gives_the_cold_logits_bit_for_bit(model, dtype):
+def test_a_reused_prefix_gives_the_cold_logits_bit_for_bit(model, dtype, dense):
     prompt = DOCUMENT + QUESTION
     cold_tokens, cold, _ = first_logits(make(model, dtype=dtype, enable_prefix_caching=False), [prompt])
     warm_llm = make(model, dtype=dtype)
@@ -89,7 +129,7 @@ def test_a_reused_prefix_gives_the_cold_logits_bit_for_bit(model, dtype):
 
 
 @pytest.mark.parametrize("chunk", [7, 33, 64])
-def test_any_chunking_and_any_neighbour_give_the_same_logits(model, dtype, chunk):
+def test_any_chunking_and_any_neighbour_give_the_same_logits(model, dtype, chunk, dense):
     prompt = DOCUMENT + QUESTION
     _, (alone,), _ = first_logits(make(model, dtype=dtype, enable_prefix_caching=False), [prompt])
     llm = make(model, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=chunk)
