@@ -276,7 +276,10 @@ torch::Tensor dequant_bf16(const torch::Tensor& w, int64_t qtype, int64_t K, int
 // oneDNN picks its kernel (and so its order of summation) by the shape of the call: a row among 33
 // to ~500 rows gets other bits than the same row among 32 or among 512 (Xeon with AMX, torch 2.13),
 // so only calls of one shape give a row the same bits whatever else the call holds (batch-invariant
-// mode, layers/linear.py). 0: one matmul over all M rows.
+// mode, layers/linear.py); each runs on one thread, since the kernel also depends on the threads.
+// 0: one matmul over all M rows.
+constexpr int64_t kDenseColumns = 256;  // columns of one matmul block of qmatmul_dense's chunked form
+
 torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                             const std::vector<int64_t>& qtypes, int64_t tile, int64_t chunk) {
   TORCH_CHECK(dense_supported(), "qmatmul_dense: needs AVX-512 with BF16");
@@ -304,10 +307,21 @@ torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::
         wb_dequant_bf16_avx512((int)qtypes[i], wp, w.size(1), a, b, K, bp + (a - r0) * K, K);
       });
       auto dst = y.narrow(1, col + r0, rows);  // the tile's columns, in place (oneDNN takes the row stride)
-      const auto wt = buf.narrow(0, 0, rows).t();
-      for (int64_t m0 = 0; m0 < padded; m0 += step) {
-        auto part = dst.narrow(0, m0, step);
-        at::mm_out(part, xb.narrow(0, m0, step), wt);
+      if (chunk == 0) {
+        at::mm_out(dst, xb, buf.narrow(0, 0, rows).t());
+      } else {
+        // Blocks of `chunk` rows x kDenseColumns columns, each one matmul on one thread inside our
+        // own OpenMP region (where oneDNN runs sequentially): a block's shape and its thread count
+        // are the same whatever M and whatever threads the engine gives the step (oneDNN's kernel
+        // for 512 rows gives other bits on 1 thread than on 2).
+        const int64_t blocks = (rows + kDenseColumns - 1) / kDenseColumns, items = padded / step * blocks;
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+        for (int64_t t = 0; t < items; t++) {
+          const int64_t m0 = t / blocks * step, c0 = t % blocks * kDenseColumns;
+          const int64_t cols = std::min(kDenseColumns, rows - c0);
+          auto part = dst.narrow(0, m0, step).narrow(1, c0, cols);
+          at::mm_out(part, xb.narrow(0, m0, step), buf.narrow(0, c0, cols).t());
+        }
       }
     }
     col += w.size(0);
