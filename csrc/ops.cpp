@@ -3,6 +3,7 @@
 // governs it) and the choice of kernel level. The kernels themselves (kernels_*.cpp) see raw pointers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -315,8 +316,10 @@ torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::
         // are the same whatever M and whatever threads the engine gives the step (oneDNN's kernel
         // for 512 rows gives other bits on 1 thread than on 2).
         const int64_t blocks = (rows + kDenseColumns - 1) / kDenseColumns, items = padded / step * blocks;
+        const at::ThreadLocalState state;  // inference mode and the like, as at::parallel_for carries them
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
         for (int64_t t = 0; t < items; t++) {
+          const at::ThreadLocalStateGuard guard(state);
           const int64_t m0 = t / blocks * step, c0 = t % blocks * kDenseColumns;
           const int64_t cols = std::min(kDenseColumns, rows - c0);
           auto part = dst.narrow(0, m0, step).narrow(1, c0, cols);
