@@ -315,13 +315,19 @@ torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::
         // own OpenMP region (where oneDNN runs sequentially): a block's shape and its thread count
         // are the same whatever M and whatever threads the engine gives the step (oneDNN's kernel
         // for 512 rows gives other bits on 1 thread than on 2).
-        const int64_t blocks = (rows + kDenseColumns - 1) / kDenseColumns, items = padded / step * blocks;
+        // an even number of blocks of equal width (a multiple of 16), so that two threads share a tile
+        // evenly; the widths depend only on the tile's rows
+        int64_t blocks = (rows + kDenseColumns - 1) / kDenseColumns;
+        blocks += blocks % 2;
+        const int64_t width = ((rows + blocks - 1) / blocks + 15) / 16 * 16;
+        blocks = (rows + width - 1) / width;
+        const int64_t items = padded / step * blocks;
         const at::ThreadLocalState state;  // inference mode and the like, as at::parallel_for carries them
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
         for (int64_t t = 0; t < items; t++) {
           const at::ThreadLocalStateGuard guard(state);
-          const int64_t m0 = t / blocks * step, c0 = t % blocks * kDenseColumns;
-          const int64_t cols = std::min(kDenseColumns, rows - c0);
+          const int64_t m0 = t / blocks * step, c0 = t % blocks * width;
+          const int64_t cols = std::min(width, rows - c0);
           auto part = dst.narrow(0, m0, step).narrow(1, c0, cols);
           at::mm_out(part, xb.narrow(0, m0, step), buf.narrow(0, c0, cols).t());
         }
