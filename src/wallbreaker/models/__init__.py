@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from ..config import EngineConfig, ModelConfig
-from ..errors import InvalidRequestError
 from ..formats import ModelFiles
 from ..formats.packaged import cache_dir
 from ..kernels import tuning
