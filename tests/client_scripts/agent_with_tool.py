@@ -27,7 +27,9 @@ async def main(base_url: str, model: str, api: str) -> None:
     set_tracing_disabled(True)
     set_default_openai_client(AsyncOpenAI(base_url=base_url, api_key="x"), use_for_tracing=False)
     set_default_openai_api(api)
-    agent = Agent(name="weather", instructions="Answer in one short sentence.", model=model, tools=[get_weather],
+    agent = Agent(name="weather", model=model, tools=[get_weather],
+                  instructions="You answer questions about the weather. When a tool has returned its result, answer "
+                               "the user in one short sentence from it; do not call the tool again.",
                   model_settings=ModelSettings(tool_choice="get_weather", max_tokens=64, temperature=0.0))
     result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
     print(f"ANSWER: {result.final_output}", flush=True)
