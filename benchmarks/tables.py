@@ -407,7 +407,7 @@ def main() -> int:
     args = parser.parse_args()
     files = load()
     stale = []
-    for path in (ROOT / "BENCHMARKS.md",):
+    for path in (ROOT / "BENCHMARKS.md", ROOT / "README.md"):
         text = path.read_text()
         new = render(text, files)
         if new != text:
