@@ -127,6 +127,39 @@ def speed(files: dict) -> list[str]:
     return lines
 
 
+def headline(files: dict) -> list[str]:
+    """README's table: per host and kernel level, the latest SmolLM2 and Qwen2.5-Coder-1.5B runs."""
+    kept, _ = latest_benches(files)
+    rows: dict[tuple, dict[str, str]] = {}
+    for name in kept:
+        d = files[name]
+        model = "smollm2" if d["model"].startswith("SmolLM2") else "qwen" if d["model"].startswith("qwen2.5") else None
+        if model:
+            m = d["machine"]
+            key = (m.get("cpu"), m.get("cpu_id"), m.get("cpu_isa"), m.get("kernel_isa"), m.get("aten_isa"))
+            rows.setdefault(key, {})[model + ("_busy" if d["config"].get("busy_cores") else "")] = name
+    lines = ["| host (bandwidth of the SmolLM2 run) | SmolLM2-135M Q4_1: decode, batch 1 | prefill | 16 seqs | "
+             "Qwen2.5-Coder-1.5B Q4_K_M: decode | prefill | decode, one core busy (SmolLM2 / Qwen) | dates | files |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def pair(name: str | None, metric: str, full: bool = True) -> str:
+        if not name or metric not in files[name]["medians"].get("llama.cpp", {}):
+            return ""
+        ours, base = files[name]["medians"]["wallbreaker"][metric], files[name]["medians"]["llama.cpp"][metric]
+        return f"{num(ours)} / {num(base)} ({ratio(ours, base)})" if full else ratio(ours, base)
+    for key, names in rows.items():
+        small, qwen = names.get("smollm2"), names.get("qwen")
+        busy = ", ".join(filter(None, (pair(names.get("smollm2_busy"), "decode_tps"), pair(names.get("qwen_busy"), "decode_tps"))))
+        conc = next((k for k in files[small]["medians"]["wallbreaker"] if k.startswith("decode_tps@")), "") if small else ""
+        who = host(files[small or qwen]["machine"])
+        cells = [who, pair(small, "decode_tps"), pair(small, "prefill_tps", False), pair(small, conc, False),
+                 pair(qwen, "decode_tps"), pair(qwen, "prefill_tps", False), busy,
+                 ", ".join(sorted({files[n]["time"][:10] for n in names.values()})),
+                 ", ".join(link(n) for n in names.values())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 # -- quality -------------------------------------------------------------------------------------
 
 def perplexity(files: dict) -> list[str]:
@@ -385,7 +418,7 @@ def speculative(files: dict) -> list[str]:
 
 
 GENERATORS = {
-    "speed": speed, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
+    "headline": headline, "speed": speed, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
     "recurrent_step": recurrent_step, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,
