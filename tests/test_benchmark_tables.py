@@ -97,3 +97,21 @@ def test_the_figure_rule():
     found = figures("a 3B Q8_0 load in 0.16 s, 72-85 tokens/s, +0.25%, 1.68x; llama.cpp 0.3.36, "
                     "torch 2.13.0, Qwen2.5-Coder-1.5B, 16 sequences, 2026-12-04, 0c1e570, `0.99 in code`")
     assert found == ["0.16", "72", "85", "+0.25", "1.68"]
+
+
+def test_a_row_names_what_the_file_recorded_and_says_what_it_did_not():
+    full = {"cpu": "AMD EPYC", "cpu_id": "AuthenticAMD 26/2/1 L3 32768K", "cpu_isa": "avx512", "kernel_isa": "avx2",
+            "aten_isa": "AVX512", "threads": 2, "read_bandwidth_gb_per_s": 49.3, "commit": "abc123", "command": "x.py"}
+    assert tables.host(full) == ("AMD EPYC (AuthenticAMD 26/2/1 L3 32768K); CPU avx512, kernels avx2, ATen AVX512; "
+                                 "2 threads; 49.3 GB/s read")
+    assert tables.commit_of({"machine": full}) == "abc123" and tables.command_of({"machine": full}) == "`x.py`"
+    old = {k: v for k, v in full.items() if k not in ("cpu_id", "read_bandwidth_gb_per_s", "commit", "command")}
+    assert "family/model not recorded" in tables.host(old) and "bandwidth not recorded" in tables.host(old)
+    assert tables.commit_of({"machine": old}) == "not recorded" and tables.command_of({}) == "not recorded"
+
+
+def test_new_results_files_record_family_model_commit_and_command():
+    from wallbreaker.measure.machine import machine_facts
+    facts = machine_facts(1)
+    assert facts["cpu_id"] and facts["command"]
+    assert "commit" in facts  # None only outside a git checkout
