@@ -125,3 +125,12 @@ def recurrent_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str]
             built[arch] = save_tiny_model(arch, tmp_path_factory.mktemp(arch) / "hf")
         return built[arch]
     return get
+
+
+@pytest.fixture(scope="session")
+def hello_model(packaged_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GGUF with SmolLM2's tokenizer and template and a 64k context that answers every prompt
+    "Hello!" (tests/hello_model.py): for the real clients' long prompts. Needs SmolLM2 installed."""
+    from hello_model import write_hello_model
+
+    return write_hello_model(packaged_model("smollm2"), tmp_path_factory.mktemp("hello") / "hello.gguf")

@@ -268,6 +268,8 @@ def test_page_and_assets_are_served_with_a_strict_policy(chat_server):
     for hook in ('id="prompt"', 'id="send"', 'id="stop"', 'src="/static/app.js"', 'href="/static/style.css"'):
         assert hook in page.text
     assert "<script>" not in page.text and "style=" not in page.text  # nothing inline: the policy allows none
+    head = httpx.head(f"{chat_server}/")  # how clients check that a server is up
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-type"].startswith("text/html")
     for name, kind in (("app.js", "text/javascript"), ("markdown.js", "text/javascript"), ("style.css", "text/css")):
         asset = httpx.get(f"{chat_server}/static/{name}")
         assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind), name

@@ -130,7 +130,6 @@ def test_a_model_without_fim_tokens_is_a_400_naming_the_reason(plain_client):
     ({"input_prefix": "a", "input_suffix": "b", "mirostat": 1}, "mirostat_mode"),
     ({"input_prefix": "a", "input_suffix": "b", "xtc_threshold": 2}, "xtc_threshold"),
     ({"input_prefix": "a", "input_suffix": "b", "seed": -2}, None),
-    ({"input_prefix": "a", "input_suffix": "b", "frobnicate": 1}, "frobnicate"),
     ({"input_prefix": 3, "input_suffix": "b"}, None),
 ])
 def test_bad_infill_input_is_a_400(fim_client, body, param):

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.client import RequestOutput
@@ -42,7 +42,7 @@ from .responses import cached_tokens
 from .protocol import ChatCompletionRequest
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
-from .ignored import ignore_unknown, note_ignored
+from .ignored import Lenient, note_ignored
 from .tools import plan_tools
 from .streaming import event_stream
 from .translate import chat_request, delta_pieces, reasoning_of, renamed_params
@@ -51,15 +51,7 @@ PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format"}
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: new with every prompt
 
 
-class _Open(BaseModel):
-    """Fields it does not declare are ignored, and logged once (server/ignored.py)."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    @model_validator(mode="after")
-    def _log_unknown(self) -> "_Open":
-        ignore_unknown(self, f"/v1/messages {type(self).__name__}")
-        return self
+_Open = Lenient  # fields it does not declare are ignored and logged once (server/ignored.py)
 
 
 _Block = _Open
@@ -91,7 +83,6 @@ class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
     content: _text_or(ResultBlock) | None = None
-    is_error: bool | None = None
     cache_control: dict | None = None
 
 
@@ -182,7 +173,6 @@ class JsonOutputFormat(_Open):
 
 class OutputConfig(_Open):
     format: JsonOutputFormat | None = None
-    effort: str | None = None  # accepted, without effect (no reasoning budget here)
 
 
 class CountTokensRequest(_Open):

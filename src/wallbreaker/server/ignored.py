@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from .errors import bad_request
 
@@ -45,9 +45,14 @@ def refuse_present(body: BaseModel, refused: dict[str, str], where: str) -> None
             raise bad_request(f"{where}: the field '{name}' is not supported here: {why}", param=name)
 
 
-def ignore_unknown(body: BaseModel | None, where: str | None = None) -> None:
-    """The fields of `body` its model does not declare, ignored and logged under `where` (by
-    default the body's own type: `ChatCompletionRequest`, `MessagesRequest`, ...)."""
-    if body is not None and body.model_extra:
-        note_ignored(where or type(body).__name__, sorted(body.model_extra))
+class Lenient(BaseModel):
+    """A request body or an object in one: strict types, and the fields it does not declare kept
+    aside (`model_extra`), ignored and logged once under the model's name."""
 
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="after")
+    def _log_ignored(self) -> "Lenient":
+        if self.model_extra:
+            note_ignored(type(self).__name__, sorted(self.model_extra))
+        return self

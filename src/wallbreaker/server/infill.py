@@ -24,7 +24,6 @@ from .async_engine import RequestHandle
 from .errors import bad_request
 from .prompts import infill_prompt, within_context
 from .protocol import INT64_MAX, MAX_N, LlamaCppSamplerFields, Stop, _Closed
-from .ignored import ignore_unknown
 from .request_params import llama_cpp_sampler_fields
 from .state import ServerState
 from .streaming import collect, deltas, event_stream
@@ -86,7 +85,6 @@ class InfillResponse(BaseModel):
 
 
 async def create_infill(body: InfillRequest, request: Request, state: ServerState) -> Response:
-    ignore_unknown(body)
     access, infill_id, deadline = state.admit(request, "infill")
     params = infill_params(body)
     extra = [ExtraFile(c.text, c.filename if c.filename is not None else "tmp") for c in body.input_extra or ()]

@@ -32,7 +32,6 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.client import RequestOutput
@@ -42,7 +41,7 @@ from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .serving_completion import CompletionRun, completion_chunks, completion_response, start_completion
 from .state import ServerState
 from .streaming import event_stream
-from .ignored import ignore_unknown
+from .ignored import Lenient
 from .translate import chat_request, completion_request, reasoning_of, renamed_params
 
 # The Ollama API version answered at /api/version: clients check it for the features they use
@@ -63,8 +62,7 @@ IGNORED_OPTIONS = frozenset({"numa", "num_ctx", "num_batch", "num_gpu", "main_gp
                              "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread"})
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+_Open = Lenient  # fields it does not declare are ignored and logged once (server/ignored.py)
 
 
 class FunctionCall(_Open):
@@ -273,7 +271,6 @@ async def chat(request: Request) -> Response:
     started = time.perf_counter_ns()
     state: ServerState = request.app.state.server
     body = await parse_body(request, ChatRequest)
-    ignore_unknown(body)
     name = body.model
     if not body.messages:
         return _loaded(name, False, body.keep_alive)
@@ -303,7 +300,6 @@ async def generate(request: Request) -> Response:
     started = time.perf_counter_ns()
     state: ServerState = request.app.state.server
     body = await parse_body(request, GenerateRequest)
-    ignore_unknown(body)
     for field, why in (("template", "Go templates (the model's own chat template is used)"),
                        ("context", "the deprecated context tokens (send the conversation to /api/chat)"),
                        ("images", "images (this server serves text models)")):
@@ -364,7 +360,6 @@ async def ps(request: Request) -> Response:
 async def show(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await parse_body(request, ShowRequest)
-    ignore_unknown(body)
     name = body.model or body.name
     if not name:
         raise bad_request("model is required", param="model")

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError
 
 from ..engine.client import RequestOutput
 from .errors import APIError, bad_request, parse_body, validation_error
@@ -43,7 +43,7 @@ from .responses import cached_tokens
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
 from .streaming import event_stream
-from .ignored import ignore_unknown, note_ignored, refuse_present
+from .ignored import Lenient, note_ignored, refuse_present
 from .translate import chat_request, delta_pieces, reasoning_of, renamed_params
 
 # Fields whose absence would change the answer, and that this server cannot honour.
@@ -55,15 +55,7 @@ PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output
           "max_tokens": "max_output_tokens", "messages": "input"}
 
 
-class _Open(BaseModel):
-    """Fields it does not declare are ignored, and logged once (server/ignored.py)."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    @model_validator(mode="after")
-    def _log_unknown(self) -> "_Open":
-        ignore_unknown(self, f"/v1/responses {type(self).__name__}")
-        return self
+_Open = Lenient  # fields it does not declare are ignored and logged once (server/ignored.py)
 
 
 class FunctionTool(_Open):
@@ -71,7 +63,6 @@ class FunctionTool(_Open):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None
 
 
 class NamespaceTool(_Open):

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic_core import PydanticCustomError
 
+from .ignored import Lenient
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # OpenAI's bound on `n`
 
@@ -38,10 +40,7 @@ Prompt = Annotated[str | list[str] | TokenIds | list[TokenIds],
 Stop = Annotated[str | list[str], _one_of("a string or a list of strings")]
 
 
-class _Body(BaseModel):
-    """Unknown fields are kept (`model_extra`) so that server/ignored.py can name them."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
+_Body = Lenient  # fields it does not declare are ignored and logged once (server/ignored.py)
 
 
 class _Closed(BaseModel):
@@ -199,7 +198,6 @@ class FunctionDefinition(_Body):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None
 
 
 class Tool(_Body):

@@ -12,7 +12,7 @@ import dataclasses
 from ..errors import InvalidRequestError
 from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from .errors import APIError, bad_request
-from .ignored import ignore_unknown, refuse_present
+from .ignored import refuse_present
 from .protocol import ChatCompletionRequest, CompletionRequest, LlamaCppSamplerFields, _SamplingFields
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -93,7 +93,6 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: in
 
 def completion_params(body: CompletionRequest) -> tuple[SamplingParams, str | None]:
     """The sampling params, and the field their constraint came from (None: no constraint)."""
-    ignore_unknown(body)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")
     if body.best_of is not None and body.best_of > _or(body.n, 1):
@@ -109,7 +108,6 @@ def chat_params(body: ChatCompletionRequest, tool_spec: StructuredOutputsParams 
     the end of the context. `top_logprobs` counts alternatives and needs `logprobs: true`.
     `tool_spec` is the constraint of a forced tool choice (server/tools.py)."""
     refuse_present(body, CHAT_REFUSED, "chat")
-    ignore_unknown(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = None
     if body.logprobs:

@@ -23,7 +23,6 @@ from ..errors import InvalidRequestError
 from ..pooling_params import PoolingParams
 from ..pooling_requests import PoolingRun, input_ids, relevance_requests, score_pairs, truncation_limit
 from .errors import APIError, bad_request, parse_body
-from .ignored import ignore_unknown
 from .protocol import TokenIds, _Body, _one_of
 from .state import ServerState
 from .streaming import collect
@@ -117,7 +116,6 @@ async def create_embeddings(request: Request) -> Response:
     body = await parse_body(request, EmbeddingRequest)
     state: ServerState = request.app.state.server
     access, request_id, deadline = state.admit(request, "embd")
-    ignore_unknown(body)
     params = PoolingParams("embed", body.dimensions, body.normalize)
     try:
         requests = await run_in_threadpool(_embedding_requests, state, _inputs(body.input), params,
@@ -152,7 +150,6 @@ async def rerank(request: Request) -> Response:
     body = await parse_body(request, RerankRequest)
     state: ServerState = request.app.state.server
     access, request_id, deadline = state.admit(request, "rerank")
-    ignore_unknown(body)
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     scores, tokens = [], 0
     if documents:
@@ -172,7 +169,6 @@ async def score(request: Request) -> Response:
     body = await parse_body(request, ScoreRequest)
     state: ServerState = request.app.state.server
     access, request_id, deadline = state.admit(request, "score")
-    ignore_unknown(body)
     try:
         pairs = score_pairs(body.text_1, body.text_2)
     except InvalidRequestError as e:

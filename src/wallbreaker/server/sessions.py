@@ -29,7 +29,6 @@ from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request, parse_body
 from .protocol import ChatMessage, TokenIds, _Body
-from .ignored import ignore_unknown
 from .state import ServerState
 from .streaming import collect
 from .tools import template_messages
@@ -60,7 +59,6 @@ def add_session_routes(app: FastAPI, state: ServerState, dependencies: list) -> 
     @app.post("/sessions/{name}/save", dependencies=dependencies)
     async def save(name: str, request: Request) -> Response:
         body = await parse_body(request, SessionSaveRequest)
-        ignore_unknown(body)
         _, request_id, deadline = state.admit(request, "session")
         with _api_errors():
             check_session_name(name)
@@ -79,8 +77,7 @@ def add_session_routes(app: FastAPI, state: ServerState, dependencies: list) -> 
 
     @app.post("/sessions/{name}/restore", dependencies=dependencies)
     async def restore(name: str, request: Request) -> Response:
-        body = await parse_body(request, SessionRestoreRequest)
-        ignore_unknown(body)
+        await parse_body(request, SessionRestoreRequest)  # a body, if any, must be valid JSON of its shape
         state.admit(request, "session")
         with _api_errors():
             check_session_name(name)

@@ -11,7 +11,6 @@ from ..errors import InvalidRequestError
 from .errors import bad_request, parse_body
 from .prompts import check_template_kwargs
 from .protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from .ignored import ignore_unknown
 from .responses import DetokenizeResponse, TokenizeResponse
 from .state import ServerState
 from .tools import template_messages
@@ -24,7 +23,6 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     except ValueError:
         chat = False  # parse_body names the JSON error
     body = await parse_body(request, TokenizeChatRequest if chat else TokenizeCompletionRequest)
-    ignore_unknown(body)
     tokenizer = state.llm.tokenizer
     try:
         if isinstance(body, TokenizeChatRequest):
@@ -47,7 +45,6 @@ async def tokenize(request: Request, state: ServerState) -> Response:
 
 async def detokenize(request: Request, state: ServerState) -> Response:
     body = await parse_body(request, DetokenizeRequest)
-    ignore_unknown(body)
     try:
         state.engine.client.check_token_ids(body.tokens)
     except InvalidRequestError as e:

@@ -32,11 +32,12 @@ def _files() -> tuple[bytes, dict[str, tuple[bytes, str]]]:
 
 
 def add_chat_page(app: FastAPI) -> None:
-    """`GET /` (the page) and `GET /static/{name}` (its scripts and style sheet: a fixed set, read once)."""
+    """`GET /` (the page) and `GET /static/{name}` (its scripts and style sheet: a fixed set, read once).
+    `HEAD /` answers too: clients ask it to see that a server is up (Claude Code, Ollama's)."""
     page, assets = _files()
     page_headers = {**_HEADERS, "Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Frame-Options": "DENY"}
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def chat_page() -> Response:
         return Response(page, media_type="text/html; charset=utf-8", headers=page_headers)
 
