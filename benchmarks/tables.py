@@ -427,11 +427,15 @@ GENERATORS = {
 
 
 def render(text: str, files: dict) -> str:
-    """`text` with every generated block written afresh from `files`."""
-    def block(match: re.Match) -> str:
-        parts = ["\n".join(GENERATORS[name](files)) for name in match.group(1).split()]
-        return f"{BEGIN.format(match.group(1))}\n" + "\n\n".join(parts) + f"\n{END}"
-    return BLOCK.sub(block, text)
+    """`text` with every generated block written afresh from `files`. The `others` block, written
+    last, links every results file that no other block of the text names."""
+    made: dict[str, str] = {}
+    for names in BLOCK.findall(text):
+        if names != "others":
+            made[names] = "\n\n".join("\n".join(GENERATORS[name](files)) for name in names.split())
+    named = set(re.findall(r"\(benchmarks/results/([^)]+)\)", BLOCK.sub("", text) + "".join(made.values())))
+    made["others"] = "Other results files: " + ", ".join(link(n) for n in files if n not in named) + "."
+    return BLOCK.sub(lambda m: f"{BEGIN.format(m.group(1))}\n{made[m.group(1)]}\n{END}", text)
 
 
 def main() -> int:
