@@ -4,6 +4,8 @@ For each agent (Claude Code, Codex, opencode), on a fresh server (an empty prefi
 1. a cold turn, "Reply with the single word: hello", in a new scratch folder;
 2. the same turn again in the same folder (warm: its system prompt and tools come from the prefix cache);
 3. a small task in that folder: read notes.txt (a code word in it) and answer with the word.
+The other clients (aider editing a file, `llm`, an openai-agents agent whose one tool the model
+calls) take one turn each, on a fresh server too.
 
 Each turn's wall-clock time is the agent's own command, start to exit; its first token is the first
 request's time to first token as the server's access log records it (the agents stream, and the
@@ -28,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from client_install import CLAUDE, CODEX, OPENCODE, Client  # noqa: E402
+from client_install import AIDER, CLAUDE, CODEX, LLM, OPENAI_AGENTS, OPENCODE, Client  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 HELLO = "Reply with the single word: hello"
@@ -48,7 +50,7 @@ def agent_env(home: Path, **extra: str) -> dict[str, str]:
 
 def claude_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
     env = agent_env(home, ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="x", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
-    return [exe, "-p", "--allowedTools", "Read", prompt], env
+    return [exe, "-p", prompt, "--allowedTools", "Read"], env  # the option takes every word after it
 
 
 def codex_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
@@ -73,8 +75,36 @@ def opencode_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[
     return [exe, "run", prompt], env
 
 
-AGENTS: dict[str, tuple[Client, object]] = {"claude": (CLAUDE, claude_command), "codex": (CODEX, codex_command),
-                                            "opencode": (OPENCODE, opencode_command)}
+def aider_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
+    return ([exe, "--model", "openai/local", "--openai-api-base", f"{url}/v1", "--openai-api-key", "x", "--no-git",
+             "--yes", "--no-check-update", "--no-show-model-warnings", "--analytics-disable", "--no-pretty",
+             "--message", prompt, "hello.py"], agent_env(home, LITELLM_LOCAL_MODEL_COST_MAP="True"))
+
+
+def llm_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
+    user = home / "llm"
+    user.mkdir(parents=True, exist_ok=True)
+    (user / "extra-openai-models.yaml").write_text(f'- model_id: wallbreaker\n  model_name: local\n  api_base: "{url}/v1"\n')
+    return [exe, "-m", "wallbreaker", prompt], agent_env(home, LLM_USER_PATH=str(user), OPENAI_API_KEY="x")
+
+
+def agents_sdk_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
+    """tests/client_scripts/agent_with_tool.py: its question about the weather; `prompt` is not used."""
+    return [exe, str(ROOT / "tests" / "client_scripts" / "agent_with_tool.py"), f"{url}/v1", "local", "responses"], \
+        agent_env(home)
+
+
+AIDER_TASK = "Add a docstring to hello.py"
+AGENTS_TASK = "What is the weather in Paris? (its get_weather tool)"
+# name -> (client, command builder, its turns)
+AGENTS: dict[str, tuple[Client, object, tuple[tuple[str, str], ...]]] = {
+    "claude": (CLAUDE, claude_command, (("cold", HELLO), ("warm", HELLO), ("task", TASK))),
+    "codex": (CODEX, codex_command, (("cold", HELLO), ("warm", HELLO), ("task", TASK))),
+    "opencode": (OPENCODE, opencode_command, (("cold", HELLO), ("warm", HELLO), ("task", TASK))),
+    "aider": (AIDER, aider_command, (("task", AIDER_TASK),)),
+    "llm": (LLM, llm_command, (("cold", HELLO),)),
+    "openai-agents": (OPENAI_AGENTS, agents_sdk_command, (("task", AGENTS_TASK),)),
+}
 
 
 def access_lines(log: str) -> list[dict]:
@@ -102,7 +132,8 @@ def turn(name: str, exe: str, build, server: ServerProcess, folder: Path, prompt
                           "completion_tokens": int(r["completion"]),
                           "ttft_s": None if r["ttft"] == "-" else float(r["ttft"]), "total_s": float(r["total"])}
                          for r in requests],
-            "answer_tail": out.strip()[-200:], "found_code_word": CODE_WORD in out if prompt == TASK else None}
+            "answer_tail": out.strip()[-200:], "found_code_word": CODE_WORD in out if prompt == TASK else None,
+            "tool_ran": "TOOL CALLED" in out if prompt == AGENTS_TASK else None}
 
 
 def machine() -> dict:
@@ -116,13 +147,13 @@ def machine() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--agents", default="claude,codex,opencode")
+    parser.add_argument("--agents", default=",".join(AGENTS))
     parser.add_argument("--work", type=Path, default=Path("/tmp/wallbreaker-agent-turns"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     results, skipped = [], {}
     for name in args.agents.split(","):
-        client, build = AGENTS[name]
+        client, build, turns = AGENTS[name]
         exe = client.find()
         if exe is None:
             skipped[name] = f"not installed ({client.install_command})"
@@ -130,9 +161,10 @@ def main() -> None:
         folder = args.work / name / "work"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "notes.txt").write_text(f"Meeting notes.\nThe code word is {CODE_WORD}.\n")
+        (folder / "hello.py").write_text("def hello():\n    print('hi')\n")
         server = ServerProcess(args.model, "--dtype", "auto", log_path=args.work / name / "server.log")
         try:
-            for label, prompt in (("cold", HELLO), ("warm", HELLO), ("task", TASK)):
+            for label, prompt in turns:
                 row = {"turn": label, "load_average_1m": round(os.getloadavg()[0], 2),
                        **turn(name, exe, build, server, folder, prompt)}
                 print(json.dumps({k: row[k] for k in ("agent", "turn", "exit_code", "wall_s", "first_token_s")}),

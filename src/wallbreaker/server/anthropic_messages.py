@@ -44,7 +44,7 @@ from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .state import ServerState
 from .ignored import Lenient, note_ignored
 from .tools import plan_tools
-from .streaming import event_stream
+from .streaming import event_stream, with_keepalive
 from .translate import chat_request, delta_pieces, reasoning_of, renamed_params
 
 PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format"}
@@ -191,6 +191,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool | None = False
     output_config: OutputConfig | None = None
+    thinking: dict | None = None  # no budget is kept; a stream's keep-alive takes a thinking block (message_events)
 
 
 # -- in: a Messages request as a chat request ----------------------------------------------------
@@ -367,6 +368,9 @@ def sse_event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
+PING = sse_event("ping", {})
+
+
 def error_event(error: APIError) -> str:
     return f"event: error\ndata: {json.dumps(anthropic_error(error.status, error.info.message))}\n\n"
 
@@ -409,8 +413,16 @@ class BlockWriter:
         return [self._delta({"type": "input_json_delta", "partial_json": piece})] if self.open == "tool_use" else []
 
 
-async def message_events(run: ChatRun) -> AsyncIterator[str]:
-    """The chat chunks of `run` as Anthropic's stream events."""
+STILL_THINKING = object()  # the keep-alive of message_events
+
+
+async def message_events(run: ChatRun, keepalive_s: float, thinking: bool) -> AsyncIterator[str]:
+    """The chat chunks of `run` as Anthropic's stream events. While nothing comes for `keepalive_s`
+    (a long prompt being prefilled), a `ping` event; and where the request asked for thinking, an
+    (empty) thinking block's delta: Anthropic's clients skip pings before their code sees them, and
+    Claude Code gives up on a stream after 5 minutes without an event it sees, and sends it again,
+    so a prefill of more than 5 minutes would never end. The thinking block is where the answer
+    would say it thinks, and a reasoning model's real thinking goes on in it."""
     yield sse_event("message_start", {"message": {
         "id": _message_id(run), "type": "message", "role": "assistant", "model": run.state.model_name,
         "content": [], "stop_reason": None, "stop_sequence": None,
@@ -418,7 +430,12 @@ async def message_events(run: ChatRun) -> AsyncIterator[str]:
     blocks = BlockWriter()
     finish_reason: str | None = None
     finished: list[RequestOutput] = []
-    async for chunk in chat_chunks(run, include_usage=False, finished=finished):
+    async for chunk in with_keepalive(chat_chunks(run, include_usage=False, finished=finished), STILL_THINKING,
+                                      keepalive_s):
+        if chunk is STILL_THINKING:
+            for event in [PING, *(blocks.thinking("") if thinking and blocks.open in (None, "thinking") else ())]:
+                yield event
+            continue
         for choice in chunk.choices:
             events: list[str] = []
             for kind, text, call_id in delta_pieces(choice.delta):
@@ -447,12 +464,14 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = to_chat(await parse_body(request, MessagesRequest))
+    raw = await parse_body(request, MessagesRequest)
+    body = to_chat(raw)
     with renamed_params(PARAMS):
         run = await start_chat(body, request, state, prefix="msg")
     if body.stream:
-        return event_stream(run.handle, message_events(run), state.config, done="", error_event=error_event,
-                            keepalive=sse_event("ping", {}))
+        thinking = isinstance(raw.thinking, dict) and raw.thinking.get("type") in ("enabled", "adaptive")
+        return event_stream(run.handle, message_events(run, state.config.keepalive_interval, thinking), state.config,
+                            done="", error_event=error_event, keepalive=None)
     answer, output = await chat_response(run, request)
     return Response(json.dumps(message_body(run, answer, output), ensure_ascii=False), media_type="application/json")
 

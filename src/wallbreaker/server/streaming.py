@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -80,7 +81,7 @@ def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], config: Serv
 
     async def guarded() -> AsyncIterator[str]:
         try:
-            async for chunk in _with_keepalive(chunks, keepalive, config.keepalive_interval):
+            async for chunk in with_keepalive(chunks, keepalive, config.keepalive_interval):
                 yield chunk
         except TimeoutError:
             handle.abort("timeout")
@@ -93,7 +94,7 @@ def event_stream(handle: RequestHandle, chunks: AsyncIterator[str], config: Serv
     return EventStreamResponse(guarded(), on_close=handle.abort, media_type=media_type)
 
 
-async def _with_keepalive(chunks: AsyncIterator[str], keepalive: str | None, interval: float) -> AsyncIterator[str]:
+async def with_keepalive(chunks: AsyncIterator[str], keepalive: Any, interval: float) -> AsyncIterator[Any]:
     """`chunks`, with `keepalive` between two of them wherever `interval` seconds pass without one."""
     if keepalive is None:
         async for chunk in chunks:
