@@ -10,8 +10,9 @@ Two checks, chained:
   decimal point (`0.17`, `-0.25`), or one followed by a unit of measure (`x` or `%` directly after
   it; `tokens/s`, `texts/s`, `GB/s`, `GB`, `MB`, `MiB`, `ms`, `µs`, `s` after an optional space);
   both ends of a range (`72-85 tokens/s`) count. Plain counts and settings (`16 sequences`,
-  `512 tokens`, `2 threads`) are not figures. So hand-written prose can quote a table, never a
-  number of its own.
+  `512 tokens`, `2 threads`) are not figures. A figure written with `x` or `%` must match a number
+  printed with the same `x` or `%`, any other one a number printed bare. So hand-written prose can
+  quote a table, never a number of its own.
 
 Both files stay at most 300 lines.
 """
@@ -37,14 +38,15 @@ CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 
 
 def figures(text: str) -> list[str]:
-    """Every figure in `text` outside the generated blocks, as written (the docstring's rule)."""
+    """Every figure in `text` outside the generated blocks, as written, with its `x` or `%` if it
+    has one (the docstring's rule)."""
     found = []
     for m in FIGURE.finditer(CODE.sub(" ", tables.BLOCK.sub(" ", text))):
         low = re.match(NUM, m.group(0)).group(0)
         unit = m.group("tight") or m.group("spaced")
         for value in filter(None, (low, m.group("hi"))):
             if unit or "." in value:
-                found.append(value)
+                found.append(value + (m.group("tight") or ""))
     return found
 
 
@@ -53,12 +55,13 @@ def normal(figure: str) -> str:
 
 
 def generated_figures(*names: str) -> set[str]:
-    """Every number the generated blocks of these files print (links' targets aside), normalized."""
+    """Every number the generated blocks of these files print (links' targets aside), normalized,
+    with its `x` or `%` if it has one: a ratio can only quote a ratio, a share a share."""
     printed = set()
     for name in names:
         for block in tables.BLOCK.finditer((ROOT / name).read_text()):
             body = re.sub(r"\]\([^)]*\)", "]", block.group(0))
-            printed |= {normal(m) for m in re.findall(rf"(?<![\w.]){NUM}(?![\d.])", body)}
+            printed |= {normal(m) for m in re.findall(rf"(?<![\w.]){NUM}(?:x|%)?(?![\d.])", body)}
     return printed
 
 
@@ -96,7 +99,7 @@ def test_a_hand_edited_table_figure_is_caught():
 def test_the_figure_rule():
     found = figures("a 3B Q8_0 load in 0.16 s, 72-85 tokens/s, +0.25%, 1.68x; llama.cpp 0.3.36, "
                     "torch 2.13.0, Qwen2.5-Coder-1.5B, 16 sequences, 2026-12-04, 0c1e570, `0.99 in code`")
-    assert found == ["0.16", "72", "85", "+0.25", "1.68"]
+    assert found == ["0.16", "72", "85", "+0.25%", "1.68x"]
 
 
 def test_a_row_names_what_the_file_recorded_and_says_what_it_did_not():
