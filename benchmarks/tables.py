@@ -51,7 +51,8 @@ def host(machine: dict | str | None) -> str:
     if isinstance(machine, str):  # early files wrote one line of text
         return f"{machine} (family/model, bandwidth {NR})"
     get = lambda key: NR if machine.get(key) is None else machine[key]  # noqa: E731
-    ident = machine.get("cpu_id") or f"family/model {NR}"
+    ident = machine.get("cpu_id") or (f"{machine['vendor_id']} {machine['cpu_family']}/{machine['model']}/{machine['stepping']}"
+                                      if "cpu_family" in machine else f"family/model {NR}")
     bandwidth = machine.get("read_bandwidth_gb_per_s")
     return (f"{get('cpu')} ({ident}); CPU {get('cpu_isa')}, kernels {get('kernel_isa')}, ATen {get('aten_isa')}; "
             f"{get('threads')} threads; " + (f"{bandwidth} GB/s read" if bandwidth else f"bandwidth {NR}"))
@@ -319,13 +320,29 @@ def kernels_rows1(files: dict) -> list[str]:
 
 
 def decode_step(files: dict) -> list[str]:
-    lines = ["| host | C++ decoder plan | outside our kernels | tokens/s under perf | commit | command | file |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| host | C++ decoder plan | runs | outside our kernels | tokens/s under perf | commit | command | file |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in ("decode_step_profile.json", "decode_step_profile_zen4.json"):
         d = files[name]
-        for r in d["runs"]:
-            lines.append(f"| {host(d['machine'])} | {'on' if r['decoder_plan'] else 'off'} | {r['outside_percent']:.1f}% | "
-                         f"{r['tokens_per_s']:.1f} | {commit_of(d)} | {command_of(d)} | {link(name)} |")
+        for plan in (True, False):
+            runs = [r for r in d["runs"] if r["decoder_plan"] == plan]
+            outside, speed = sorted(r["outside_percent"] for r in runs), sorted(r["tokens_per_s"] for r in runs)
+            lines.append(f"| {host(d['machine'])} | {'on' if plan else 'off'} | {len(runs)} | {outside[0]:.1f}-{outside[-1]:.1f}% | "
+                         f"{speed[0]:.1f}-{speed[-1]:.1f} | {commit_of(d)} | {command_of(d)} | {link(name)} |")
+    return lines
+
+
+def batch_invariance(files: dict) -> list[str]:
+    names = sorted(n for n in files if n.startswith("batch_invariant_cost_") and "cost" in files[n])
+    metrics = list(files[names[0]]["cost"]) if names else []
+    lines = ["| file | host | started | " + " | ".join(f"{m}: A / B (cost)" for m in metrics) + " | command |",
+             "| --- | --- | --- | " + "--- | " * len(metrics) + "--- |"]
+    for name in names:
+        d = files[name]
+        a, b = d["medians"]["parent_default"], d["medians"]["batch_invariant"]
+        cells = [f"{a[m]:.3g} / {b[m]:.3g} ({d['cost'][m] * 100:+.1f}%)" for m in metrics]
+        lines.append(f"| {link(name)} | {host(d['machine'])} | {d.get('started_utc', NR)} | " + " | ".join(cells)
+                     + f" | {command_of(d)} |")
     return lines
 
 
@@ -418,7 +435,7 @@ def speculative(files: dict) -> list[str]:
 
 
 GENERATORS = {
-    "headline": headline, "speed": speed, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
+    "headline": headline, "speed": speed, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
     "recurrent_step": recurrent_step, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,

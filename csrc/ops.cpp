@@ -3,6 +3,7 @@
 // governs it) and the choice of kernel level. The kernels themselves (kernels_*.cpp) see raw pointers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -271,16 +272,30 @@ torch::Tensor dequant_bf16(const torch::Tensor& w, int64_t qtype, int64_t K, int
 // Decoding costs once per call whatever M, so it pays from a few dozen rows on. Activations and the
 // products are rounded to bfloat16 (oneDNN's CPU matmul has no float32 output for bfloat16 inputs),
 // where qmatmul rounds activations to 8 bits per block; float32 out.
+//
+// `chunk` > 0: the matmuls run over exactly `chunk` rows at a time, the last chunk padded with zeros.
+// oneDNN picks its kernel (and so its order of summation) by the shape of the call: a row among 33
+// to ~500 rows gets other bits than the same row among 32 or among 512 (Xeon with AMX, torch 2.13),
+// so only calls of one shape give a row the same bits whatever else the call holds (batch-invariant
+// mode, layers/linear.py); each runs on one thread, since the kernel also depends on the threads.
+// 0: one matmul over all M rows.
+constexpr int64_t kDenseColumns = 256;  // columns of one matmul block of qmatmul_dense's chunked form
+
 torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                            const std::vector<int64_t>& qtypes, int64_t tile) {
+                            const std::vector<int64_t>& qtypes, int64_t tile, int64_t chunk) {
   TORCH_CHECK(dense_supported(), "qmatmul_dense: needs AVX-512 with BF16");
   TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "qmatmul: one qtype per weight segment");
   TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "qmatmul: x must be a [M, K] CPU tensor");
   TORCH_CHECK(tile > 0, "qmatmul_dense: tile must be positive");
+  TORCH_CHECK(chunk >= 0, "qmatmul_dense: chunk must be 0 or positive");
   const int64_t M = x_in.size(0), K = x_in.size(1);
   const int64_t N = check_segments(weights, qtypes, K);
-  const auto xb = x_in.to(torch::kBFloat16).contiguous();
-  auto y = torch::empty({M, N}, x_in.options().dtype(torch::kBFloat16));
+  const int64_t step = chunk > 0 ? chunk : std::max<int64_t>(M, 1);
+  const int64_t padded = (M + step - 1) / step * step;
+  auto xb = x_in.to(torch::kBFloat16);
+  if (padded != M) xb = at::constant_pad_nd(xb, {0, 0, 0, padded - M});
+  xb = xb.contiguous();
+  auto y = torch::empty({padded, N}, x_in.options().dtype(torch::kBFloat16));
   auto buf = torch::empty({std::min(tile, N), K}, y.options());
   uint16_t* bp = reinterpret_cast<uint16_t*>(buf.data_ptr<at::BFloat16>());
   int64_t col = 0;
@@ -293,11 +308,34 @@ torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::
         wb_dequant_bf16_avx512((int)qtypes[i], wp, w.size(1), a, b, K, bp + (a - r0) * K, K);
       });
       auto dst = y.narrow(1, col + r0, rows);  // the tile's columns, in place (oneDNN takes the row stride)
-      at::mm_out(dst, xb, buf.narrow(0, 0, rows).t());
+      if (chunk == 0) {
+        at::mm_out(dst, xb, buf.narrow(0, 0, rows).t());
+      } else {
+        // Blocks of `chunk` rows x kDenseColumns columns, each one matmul on one thread inside our
+        // own OpenMP region (where oneDNN runs sequentially): a block's shape and its thread count
+        // are the same whatever M and whatever threads the engine gives the step (oneDNN's kernel
+        // for 512 rows gives other bits on 1 thread than on 2).
+        // an even number of blocks of equal width (a multiple of 16), so that two threads share a tile
+        // evenly; the widths depend only on the tile's rows
+        int64_t blocks = (rows + kDenseColumns - 1) / kDenseColumns;
+        blocks += blocks % 2;
+        const int64_t width = ((rows + blocks - 1) / blocks + 15) / 16 * 16;
+        blocks = (rows + width - 1) / width;
+        const int64_t items = padded / step * blocks;
+        const at::ThreadLocalState state;  // inference mode and the like, as at::parallel_for carries them
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+        for (int64_t t = 0; t < items; t++) {
+          const at::ThreadLocalStateGuard guard(state);
+          const int64_t m0 = t / blocks * step, c0 = t % blocks * width;
+          const int64_t cols = std::min(width, rows - c0);
+          auto part = dst.narrow(0, m0, step).narrow(1, c0, cols);
+          at::mm_out(part, xb.narrow(0, m0, step), buf.narrow(0, c0, cols).t());
+        }
+      }
     }
     col += w.size(0);
   }
-  return y.to(torch::kFloat);
+  return (padded == M ? y : y.narrow(0, 0, M)).to(torch::kFloat);
 }
 
 // The format table (qformats.h) for Python: (name, GGML type, values a block, bytes a block,
@@ -350,7 +388,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "y = x @ concat(W_i)^T over GGUF blocks", py::arg("x"), py::arg("weights"),
         py::arg("qtypes"));
   m.def("qmatmul_dense", &qmatmul_dense, "qmatmul by bfloat16 tiles of decoded weights", py::arg("x"),
-        py::arg("weights"), py::arg("qtypes"), py::arg("tile"));
+        py::arg("weights"), py::arg("qtypes"), py::arg("tile"), py::arg("chunk") = 0);
   m.def("dequant_bf16", &dequant_bf16, "rows [n0, n1) of GGUF blocks as bfloat16", py::arg("w"), py::arg("qtype"),
         py::arg("k"), py::arg("n0"), py::arg("n1"));
   m.def("dense_supported", &dense_supported, "whether this CPU runs qmatmul_dense (AVX-512 with BF16)");

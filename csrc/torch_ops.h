@@ -10,7 +10,7 @@
 torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                       const std::vector<int64_t>& qtypes);
 torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                            const std::vector<int64_t>& qtypes, int64_t tile);
+                            const std::vector<int64_t>& qtypes, int64_t tile, int64_t chunk = 0);
 
 // attention_ops.cpp
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,

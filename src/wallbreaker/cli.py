@@ -41,8 +41,9 @@ HELP = {
     "num_speculative_tokens": "drafts a step at most (K)",
     "speculative_adaptive": "choose K each step from measured costs (--no-speculative-adaptive: always K)",
     "tensor_parallel_size": "ranks to split the model across",
-    "batch_invariant": "every token's logits independent of the rest of its step: a reused prefix gives the "
-                       "cold run's logits bit for bit (slower prefill)",
+    "batch_invariant": "every token's logits independent of the rest of its step: the same request gives the "
+                       "same answer whatever the prefix cache, chunking, batch, speculation or preemption "
+                       "(default: on; --no-batch-invariant: the float32 path's decode is faster)",
     "temperature": "0 is greedy",
     "top_k": "0 or -1: off",
     "max_tokens": "tokens to generate at most",

@@ -438,10 +438,14 @@ class EngineConfig:
     # per max_num_seqs. They share kv_cache_memory_gb with the KV pages.
     prefix_state_slots: int | None = None
     # Every token's logits independent of what else its step computes (other sequences, the prompt
-    # chunk it is in, a prefix reused from RAM or disk): bit-identical cold and warm runs, as vLLM's
-    # VLLM_BATCH_INVARIANT. Costs prefill speed (the paged kernel and integer tiles instead of SDPA
-    # and the dense path) and, on the float32 path, decode speed (matmuls in calls of 16 rows).
-    batch_invariant: bool = False
+    # chunk it is in, a prefix reused from RAM or disk, speculation, a recompute after preemption):
+    # the same request gives the same tokens, as vLLM's VLLM_BATCH_INVARIANT but by default. Prompt
+    # tokens take the prefill path and generated tokens the decode path, each in calls of one shape
+    # (layers/linear.py, layers/attention.py). Costs: on the float32 path decode (matmuls in calls of
+    # 16 rows); a short prompt on a CPU with AMX is computed as a call of 512 rows; a block of
+    # generated tokens is not reused as a later prompt's (kv/block_pool.py `hash_block`). An encoder
+    # computes each input whole and ignores it.
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in (*PACKED_DTYPES, *_DTYPES):

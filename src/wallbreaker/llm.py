@@ -168,8 +168,8 @@ class LLM:
                    states: StatePool | None = None) -> Scheduler:
         c = self.config
         pool = BlockPool(num_blocks, c.enable_prefix_caching)
-        return Scheduler(BlockManager(pool, c.kv_block_size, disk, states), c.max_num_seqs, c.max_num_batched_tokens,
-                         max_len)
+        manager = BlockManager(pool, c.kv_block_size, disk, states, origin_keys=c.batch_invariant)
+        return Scheduler(manager, c.max_num_seqs, c.max_num_batched_tokens, max_len)
 
     def _disk_tier(self) -> tuple[DiskKVCache | None, SessionStore | None]:
         """The prefix cache's disk tier (where `kv_cache_disk_gb` > 0) and the saved sessions'

@@ -39,9 +39,14 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.vocab_limit = min(vocab_limit or model.config.vocab_size, model.config.vocab_size)
-        # a sequence with at most this many new tokens goes to the paged attention kernel; in
-        # batch-invariant mode every one does (models/base.py `set_batch_invariant`)
-        self.max_paged_queries = sys.maxsize if getattr(model, "batch_invariant", False) else MAX_PAGED_QUERIES
+        # a sequence with at most this many new tokens goes to the paged attention kernel. In
+        # batch-invariant mode (models/base.py `set_batch_invariant`) a step's tokens are split by
+        # origin instead: generated tokens to the paged kernel, prompt tokens to the prefill spans;
+        # a model with recurrent layers, whose rows must stay in order, sends every one to the
+        # paged kernel.
+        invariant = getattr(model, "batch_invariant", False)
+        self.split_by_origin = invariant and states is None
+        self.max_paged_queries = sys.maxsize if invariant else MAX_PAGED_QUERIES
         layers = model.attention_layers()
         kv_cache.set_offsets([attn.kv_offsets() for attn in layers])
         for i, attn in enumerate(layers):
@@ -68,26 +73,17 @@ class ModelRunner:
         their last token (they sample next) and their logits: one row each, or 1 + num_draft rows for a
         sequence carrying drafts to verify. With `all_logits`, the logits of every token computed, in
         batch order (for scoring a text)."""
-        # sequences with few new tokens first: they go to the paged kernel together (all of them in
-        # batch-invariant mode, so that a token's attention never depends on the chunk it is in)
-        max_paged = self.max_paged_queries
-        order = sorted(range(len(batch)), key=lambda j: batch.num_new_tokens[j] > max_paged)
-        if all_logits:
-            order = list(range(len(batch)))
+        pieces = self._pieces(batch, all_logits)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         tables, query_start, context_lens, prefills = [], [0], [], []
-        sampling_rows: list[int] = []
-        sampling_seqs: list[Sequence] = []
-        pool_spans: list[tuple[int, int]] = []
-        pooling_seqs: list[Sequence] = []
+        rows_of: dict[int, list[tuple[int, int]]] = {}  # batch index -> (first position, its row) of each piece
         state_spans: list[StateSpan] = []
-        for j in order:
-            seq, n = batch.seqs[j], batch.num_new_tokens[j]
-            start = seq.num_computed_tokens
-            end = start + n
-            if n <= max_paged and not prefills:
+        for j, start, end, paged in pieces:
+            seq, n = batch.seqs[j], end - start
+            rows_of.setdefault(j, []).append((start, len(input_ids)))
+            if paged and not prefills:  # (in batch order, for all_logits, the paged run ends at the first span)
                 tables.append(seq.block_table)
                 query_start.append(query_start[-1] + n)
                 context_lens.append(end)
@@ -99,12 +95,27 @@ class ModelRunner:
             positions += range(start, end)
             slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                       for p in range(start, end)]
+
+        def row(j: int, position: int) -> int:
+            first, at = max((p, r) for p, r in rows_of[j] if p <= position)
+            return at + position - first
+        sampling_rows: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        pool_spans: list[tuple[int, int]] = []
+        pooling_seqs: list[Sequence] = []
+        batch_rows: list[int] = []  # every token's row, in batch order (all_logits)
+        for j in sorted(rows_of):
+            seq, n = batch.seqs[j], batch.num_new_tokens[j]
+            start = seq.num_computed_tokens
+            end = start + n
+            if all_logits:
+                batch_rows += [row(j, p) for p in range(start, end)]
             if seq.pooling:
                 assert start == 0 and end == seq.num_tokens, "a pooling sequence is computed whole"
-                pool_spans.append((len(input_ids) - n, n))
+                pool_spans.append((row(j, start), n))
                 pooling_seqs.append(seq)
             elif end == seq.num_tokens_with_spec:  # caught up: logits for the last token and each draft
-                sampling_rows += range(len(input_ids) - 1 - seq.num_draft, len(input_ids))
+                sampling_rows += [row(j, p) for p in range(end - 1 - seq.num_draft, end)]
                 sampling_seqs.append(seq)
         width = max((len(t) for t in tables), default=0)
         meta = AttentionMetadata(
@@ -116,8 +127,12 @@ class ModelRunner:
             prefills=prefills, positions=torch.tensor(positions, device=self.device),
             block_size=self.block_size, num_paged_tokens=query_start[-1],
             state=StateMetadata(state_spans) if self.states is not None else None,
+            split_by_origin=self.split_by_origin,
         )
-        rows = None if all_logits else torch.tensor(sampling_rows, dtype=torch.long, device=self.device)
+        if all_logits:
+            rows = None if batch_rows == list(range(len(batch_rows))) else torch.tensor(batch_rows, device=self.device)
+        else:
+            rows = torch.tensor(sampling_rows, dtype=torch.long, device=self.device)
         step = StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows)
         pooled: list[torch.Tensor] = []
         if pooling_seqs:
@@ -129,6 +144,27 @@ class ModelRunner:
         if logits.shape[-1] > self.vocab_limit:
             logits[:, self.vocab_limit:] = float("-inf")
         return sampling_seqs, logits, list(zip(pooling_seqs, pooled))
+
+    def _pieces(self, batch: ScheduledBatch, all_logits: bool) -> list[tuple[int, int, int, bool]]:
+        """The step's tokens as (batch index, first position, end, paged) pieces, in the order of
+        the flat batch: the paged kernel's pieces first (the plan and the kernel read them as one
+        run), the prefill spans after. Normally a sequence with few new tokens is one paged piece
+        and any other one prefill span (`all_logits`: in batch order, for scoring a text). Split by
+        origin, a sequence's generated tokens (decode, drafts, a recompute after preemption) are a
+        paged piece and its prompt tokens a prefill span, whatever the step."""
+        pieces = []
+        for j, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + n
+            if self.split_by_origin:
+                cut = end if seq.pooling else min(max(start, seq.num_prompt_tokens), end)
+                pieces += [(j, start, cut, False)] if cut > start else []
+                pieces += [(j, cut, end, True)] if end > cut else []
+            else:
+                pieces.append((j, start, end, n <= self.max_paged_queries))
+        if not all_logits or self.split_by_origin:  # stable: batch order within each kind
+            pieces.sort(key=lambda piece: not piece[3])
+        return pieces
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:

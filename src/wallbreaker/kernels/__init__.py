@@ -68,8 +68,11 @@ def _amx() -> bool:
         return False
 
 
-def qmatmul_dense(x: torch.Tensor, weights: Sequence[torch.Tensor], qtypes: Sequence[int]) -> torch.Tensor:
-    return _C.qmatmul_dense(x, list(weights), [int(q) for q in qtypes], DENSE_TILE_ROWS)
+def qmatmul_dense(x: torch.Tensor, weights: Sequence[torch.Tensor], qtypes: Sequence[int],
+                  chunk: int = 0) -> torch.Tensor:
+    """`chunk` > 0: matmuls of exactly that many rows (the last padded), so that a row's bits do not
+    depend on the number of rows (csrc/ops.cpp); 0: one matmul over all rows."""
+    return _C.qmatmul_dense(x, list(weights), [int(q) for q in qtypes], DENSE_TILE_ROWS, chunk)
 
 
 def isa() -> str:

@@ -24,6 +24,7 @@ from .state_pool import StatePool
 
 class PagedSequence(Protocol):
     token_ids: list[int]
+    num_prompt_tokens: int
     num_computed_tokens: int
     block_table: list[int]
     block_hashes: list[bytes]
@@ -46,32 +47,45 @@ class BlockStore(Protocol):
 
 class BlockManager:
     def __init__(self, pool: BlockPool, block_size: int, disk: BlockStore | None = None,
-                 states: StatePool | None = None):
+                 states: StatePool | None = None, origin_keys: bool = False):
         """`disk`: where full blocks are also kept, and looked for when the RAM cache misses.
-        `states`: the recurrent layers' state pool, where the model has any."""
+        `states`: the recurrent layers' state pool, where the model has any. `origin_keys`: a block's
+        key also says how many of its tokens were prompt tokens (batch-invariant mode: `hash_block`)."""
         self.pool = pool
         self.block_size = block_size
+        self.origin_keys = origin_keys
         self.disk = disk if pool.enable_prefix_caching else None
         self.states = states
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def prompt_blocks(self, token_ids: list[int], cache_salt: str | None,
-                      num_tokens: int | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+    def prompt_blocks(self, token_ids: list[int], cache_salt: str | None, num_tokens: int | None = None,
+                      num_prompt_tokens: int | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
         """(chained hash, tokens) of each full block of the first `num_tokens` tokens (default: all
-        but the last, whose logits are needed, so at least it is computed again)."""
+        but the last, whose logits are needed, so at least it is computed again), of which the first
+        `num_prompt_tokens` were the prompt (default: all)."""
         end = len(token_ids) - 1 if num_tokens is None else num_tokens
         parent = salt_digest(cache_salt)
         for i in range(end // self.block_size):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash_block(parent, tokens)
+            parent = hash_block(parent, tokens, self._prompt_in(i, num_prompt_tokens))
             yield parent, tokens
+
+    def _num_prompt(self, seq: PagedSequence) -> int | None:
+        return seq.num_prompt_tokens if self.origin_keys else None
+
+    def _prompt_in(self, block: int, num_prompt_tokens: int | None) -> int | None:
+        """The prompt tokens of the `block`-th block, for its key (None: not part of the key)."""
+        if not self.origin_keys or num_prompt_tokens is None:
+            return None
+        return min(max(num_prompt_tokens - block * self.block_size, 0), self.block_size)
 
     def cached_prefix(self, seq: PagedSequence) -> list[Block]:
         """Cached full blocks matching the start of `seq` in RAM. The last token is never covered."""
         blocks: list[Block] = []
-        for block_hash, tokens in self.prompt_blocks(seq.token_ids, seq.cache_salt):
+        for block_hash, tokens in self.prompt_blocks(seq.token_ids, seq.cache_salt,
+                                                     num_prompt_tokens=self._num_prompt(seq)):
             block = self.pool.lookup(block_hash, tokens)
             if block is None:
                 break
@@ -82,7 +96,8 @@ class BlockManager:
         """The blocks of `seq` from its `start`-th on, read from the disk tier while they are found and
         the pool has room; each taken (ref_count 1) and registered in the RAM cache."""
         loaded: list[Block] = []
-        for i, (block_hash, tokens) in enumerate(self.prompt_blocks(seq.token_ids, seq.cache_salt)):
+        for i, (block_hash, tokens) in enumerate(self.prompt_blocks(seq.token_ids, seq.cache_salt,
+                                                                    num_prompt_tokens=self._num_prompt(seq))):
             if i < start:
                 continue
             if self.pool.num_free <= 1:
@@ -223,7 +238,7 @@ class BlockManager:
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             parent = seq.block_hashes[-1] if seq.block_hashes else salt_digest(seq.cache_salt)
-            block_hash = hash_block(parent, tokens)
+            block_hash = hash_block(parent, tokens, self._prompt_in(i, self._num_prompt(seq)))
             seq.block_hashes.append(block_hash)
             block = self.pool.blocks[seq.block_table[i]]
             if self.pool.register(block, block_hash, tokens) and self.disk is not None:

@@ -21,13 +21,20 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens behind `hash`, to verify a hit
 
 
-def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], prompt_tokens: int | None = None) -> bytes:
     """SHA-256 over the parent block's digest and this block's tokens: a block's key covers every
     token before it, so equal keys mean equal prefixes. A collision-resistant digest, not Python's
     `hash`, so that no prompt can be crafted to land on another request's blocks (the construction
-    behind vLLM's CVE-2025-25183)."""
+    behind vLLM's CVE-2025-25183).
+
+    `prompt_tokens`: how many of the block's tokens were prompt tokens, where fewer than all (a block
+    holding generated tokens). In batch-invariant mode a prompt token's K/V come from the prefill path
+    and a generated token's from the decode path (layers/linear.py), so a block of generated tokens
+    must not serve a prompt made of the same tokens, nor the other way round."""
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(array("q", token_ids).tobytes())
+    if prompt_tokens is not None and prompt_tokens < len(token_ids):
+        digest.update(b"prompt tokens:%d" % prompt_tokens)
     return digest.digest()
 
 

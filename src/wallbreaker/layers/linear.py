@@ -1,12 +1,21 @@
 """Linear layers: y = x Wᵀ + b. The float one is the exact reference; `QuantLinear` (the `auto`
 path) keeps GGUF blocks as stored and runs our own kernels over them (wallbreaker.kernels).
 
-`batch_invariant` (set for a whole model by `CausalLM.set_batch_invariant`): a row's output bits do
-not depend on the other rows of the call. PyTorch's float matmul picks its blocking by the number of
-rows (a row computed among 600 and among 18 differs in the last bits), so the float layer then
-multiplies in calls of exactly `INVARIANT_ROWS` rows, the last padded; the quantized layer keeps to
-the integer tiles, whose rows are computed alike in every call (tests/test_kernels.py), and never
-takes the dense path."""
+`batch_invariant` (set for a whole model by `CausalLM.set_batch_invariant`, on by default): a row's
+output bits do not depend on the other rows of the call. Two rules give that:
+
+- every matmul call has one shape: PyTorch's float matmul and oneDNN's bfloat16 one pick their
+  blocking, and so their order of summation, by the number of rows (a row among 600 and among 18
+  differ in the last bits), so rows go in calls of exactly `INVARIANT_ROWS` (generated tokens) or
+  `PROMPT_ROWS` (prompt tokens) rows, the last padded; the integer tiles compute every row alike
+  whatever the call (tests/test_kernels.py) and need no padding;
+- a row's path depends on the token, not on the call: the layers of a model's blocks share a
+  `PromptRows` that the model sets each step (rows from `PromptRows.start` on are prompt tokens,
+  models/base.py); prompt tokens take the fast prefill path (the dense path where the CPU has AMX,
+  `PROMPT_ROWS`-row float calls), generated tokens the decode path (integer tiles, `INVARIANT_ROWS`-row
+  float calls), whether they come in a decode step, a speculative verification or a recompute after
+  preemption. A layer without one (the output head, an expert of a mixture that sees some of the
+  rows) takes the decode path for every row."""
 from __future__ import annotations
 
 import torch
@@ -22,11 +31,36 @@ _qmatmul = qk._C.qmatmul
 _qmatmul_dense = qk._C.qmatmul_dense
 
 
-INVARIANT_ROWS = 16  # rows of every float matmul call in batch-invariant mode
+INVARIANT_ROWS = 16  # rows of every float matmul call of generated tokens in batch-invariant mode
+PROMPT_ROWS = 512  # rows of every float and dense matmul call of prompt tokens: the default prefill chunk
+
+
+class PromptRows:
+    """Which rows of the step running now are prompt tokens: rows `start` on (the model runner puts
+    them last, engine/model_runner.py); None between steps. One object shared by a model's layers."""
+
+    start: int | None = None
+
+
+def _split(x2: torch.Tensor, prompt: PromptRows | None) -> int:
+    """Rows of x2 before its prompt rows (all of them where the layer has no `PromptRows`)."""
+    if prompt is None or prompt.start is None:
+        return x2.shape[0]
+    return min(prompt.start, x2.shape[0])
+
+
+def _in_calls_of(f, x2: torch.Tensor, rows: int) -> torch.Tensor:
+    """f over x2 in calls of exactly `rows` rows, the last padded with zeros."""
+    n = x2.shape[0]
+    padded = -(-n // rows) * rows
+    if padded != n:
+        x2 = torch.cat([x2, x2.new_zeros(padded - n, x2.shape[1])])
+    return torch.cat([f(chunk) for chunk in x2.split(rows)])[:n]
 
 
 class Linear(nn.Module):
     batch_invariant = False
+    prompt_rows: PromptRows | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -39,12 +73,14 @@ class Linear(nn.Module):
         if not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
-        rows = x2.shape[0]
-        padded = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
-        if padded != rows:
-            x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
-        y = torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in x2.split(INVARIANT_ROWS)])
-        return y[:rows].view(*x.shape[:-1], -1)
+
+        def f(chunk: torch.Tensor) -> torch.Tensor:
+            return F.linear(chunk, self.weight, self.bias)
+        split = _split(x2, self.prompt_rows)
+        parts = [_in_calls_of(f, part, rows) for part, rows in ((x2[:split], INVARIANT_ROWS),
+                                                                 (x2[split:], PROMPT_ROWS)) if len(part)]
+        y = f(x2) if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+        return y.view(*x.shape[:-1], -1)
 
 
 class QuantLinear(DirectModule):
@@ -52,6 +88,7 @@ class QuantLinear(DirectModule):
     input, each with its own type and rows) computed in one call; float32 out."""
 
     batch_invariant = False
+    prompt_rows: PromptRows | None = None
 
     def __init__(self, segments: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
@@ -77,10 +114,19 @@ class QuantLinear(DirectModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.shape[0] >= qk.DENSE_MIN_ROWS and not self.batch_invariant and qk.dense_path():  # prefill on a CPU with AMX
-            y = _qmatmul_dense(x2, self.blocks, self.qtypes, qk.DENSE_TILE_ROWS)
+        if not self.batch_invariant:
+            if x2.shape[0] >= qk.DENSE_MIN_ROWS and qk.dense_path():  # prefill on a CPU with AMX
+                y = _qmatmul_dense(x2, self.blocks, self.qtypes, qk.DENSE_TILE_ROWS)
+            else:
+                y = _qmatmul(x2, self.blocks, self.qtypes)
         else:
-            y = _qmatmul(x2, self.blocks, self.qtypes)
+            split = _split(x2, self.prompt_rows)
+            if split == x2.shape[0] or not qk.dense_path():  # the integer tiles: every row alike
+                y = _qmatmul(x2, self.blocks, self.qtypes)
+            else:
+                y = _qmatmul_dense(x2[split:], self.blocks, self.qtypes, qk.DENSE_TILE_ROWS, PROMPT_ROWS)
+                if split:
+                    y = torch.cat([_qmatmul(x2[:split], self.blocks, self.qtypes), y])
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], -1)
         return y if self._bias is None else y + self._bias

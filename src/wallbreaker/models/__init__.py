@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from ..config import EngineConfig, ModelConfig
-from ..errors import InvalidRequestError
 from ..formats import ModelFiles
 from ..formats.packaged import cache_dir
 from ..kernels import tuning
@@ -64,8 +63,6 @@ def load_model(files: ModelFiles, config: EngineConfig, device: torch.device, sh
         raise
     if repack is not None:
         repack.finish()
-    if config.batch_invariant:
-        if not isinstance(model, CausalLM):
-            raise InvalidRequestError("batch_invariant is for generative models (an encoder computes each input whole)")
+    if config.batch_invariant and isinstance(model, CausalLM):  # an encoder computes each input whole
         model.set_batch_invariant(True)
     return model

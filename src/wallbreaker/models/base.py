@@ -7,7 +7,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
-from ..layers.linear import Linear, QuantLinear
+from ..layers.linear import Linear, PromptRows, QuantLinear
 from ..layers.norm import RMSNorm
 from ..layers.recurrent import RecurrentMixer
 from .decoder_plan import DecoderStackPlan
@@ -31,6 +31,7 @@ class CausalLM(nn.Module):
 
     layer_class: type[nn.Module]
     batch_invariant = False  # set_batch_invariant
+    prompt_rows: PromptRows | None = None  # set_batch_invariant
     final_norm = "output_norm.weight"  # the norm after the last layer (LFM2 stores it as token_embd_norm)
 
     def __init__(self, cfg: ModelConfig, src: WeightSource):
@@ -45,16 +46,24 @@ class CausalLM(nn.Module):
 
     def set_batch_invariant(self, on: bool) -> None:
         """Compute every token's row the same whatever else is in its step: the other sequences, the
-        chunk of the prompt it is in, a prefix reused from the cache. Every linear layer then keeps
-        to its batch-invariant form (layers/linear.py) and the model runner sends every row to the
-        paged attention kernel (one query at a time over the blocks in order), never to SDPA,
-        whose blocking depends on the chunk. Cold and warm prefix runs give the same logits bit for
-        bit; prefill is slower (no SDPA, no dense path). Recurrent layers scan a prompt chunk by
-        chunk and a step token by token, so a hybrid's rows stay within rounding, not bit for bit."""
+        chunk of the prompt it is in, a prefix reused from the cache, speculation, a recompute after
+        preemption. Every linear layer then keeps to its batch-invariant form (layers/linear.py): the
+        layers of the blocks route prompt tokens to the prefill path and generated tokens to the
+        decode path, each in calls of one shape, by the `PromptRows` that `forward` sets each step;
+        the output head and a mixture's experts take the decode path for every row. The model runner
+        puts a step's generated tokens first, for the paged attention kernel, and its prompt tokens
+        last, for SDPA in calls of one shape (layers/attention.py). Recurrent layers scan a prompt
+        chunk by chunk and a step token by token, so a hybrid's rows stay within rounding, not bit
+        for bit (and all its rows take the decode path)."""
         self.batch_invariant = on
+        self.prompt_rows = PromptRows() if on else None
         for module in self.modules():
             if isinstance(module, (Linear, QuantLinear)):
                 module.batch_invariant = on
+                module.prompt_rows = None
+        if on:
+            for module in _per_token_linears(self.layers):
+                module.prompt_rows = self.prompt_rows
         self.decoder_plan.dense = not on
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -70,9 +79,15 @@ class CausalLM(nn.Module):
         planned = self.decoder_plan.run(h, meta)
         if planned is not None:
             return self.norm.add_and_norm(*planned)
-        delta = None
-        for layer in self.layers:
-            h, delta = layer(h, meta, delta)
+        if self.prompt_rows is not None:
+            self.prompt_rows.start = meta.num_paged_tokens if meta.split_by_origin else h.shape[0]
+        try:
+            delta = None
+            for layer in self.layers:
+                h, delta = layer(h, meta, delta)
+        finally:
+            if self.prompt_rows is not None:
+                self.prompt_rows.start = None
         return self.norm.add_and_norm(h, delta)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -88,3 +103,15 @@ class CausalLM(nn.Module):
     def recurrent_layers(self) -> list[RecurrentMixer]:
         """The modules that keep a recurrent state, in layer order (kv/state_pool.py binds them)."""
         return [m for m in self.modules() if isinstance(m, RecurrentMixer)]
+
+
+def _per_token_linears(module: nn.Module):
+    """The linear layers under `module` that see every row of a step: not those under a module that
+    runs some of the rows (`runs_row_subsets`, a mixture of experts)."""
+    for child in module.children():
+        if getattr(child, "runs_row_subsets", False):
+            continue
+        if isinstance(child, (Linear, QuantLinear)):
+            yield child
+        else:
+            yield from _per_token_linears(child)

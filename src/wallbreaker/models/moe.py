@@ -18,6 +18,8 @@ from .source import WeightSource
 
 
 class SparseMoE(nn.Module):
+    runs_row_subsets = True  # each expert sees some of the step's rows (models/base.py `_per_token_linears`)
+
     def __init__(self, cfg: ModelConfig, layer: int, src: WeightSource):
         super().__init__()
         p = f"blk.{layer}."

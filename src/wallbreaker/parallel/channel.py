@@ -9,8 +9,8 @@ from ..engine.model_runner import StepInputs
 from ..layers.attention import AttentionMetadata, PrefillSpan
 
 _STOP, _STEP = 0, 1
-_HEADER = 10  # kind, tokens, paged sequences, table width, paged tokens, prefills, copies, logit rows (-1: all),
-#               block size, payload
+_HEADER = 11  # kind, tokens, paged sequences, table width, paged tokens, prefills, copies, logit rows (-1: all),
+#               block size, payload, split by origin (batch invariance: the prefill spans are prompt tokens)
 
 
 class StepChannel:
@@ -28,7 +28,7 @@ class StepChannel:
         payload = torch.cat([p.to("cpu", torch.long).flatten() for p in parts])
         header = torch.tensor([_STEP, len(step.input_ids), len(m.context_lens), m.block_tables.shape[1],
                                m.num_paged_tokens, len(spans), len(step.copies), -1 if rows is None else len(rows),
-                               m.block_size, len(payload)])
+                               m.block_size, len(payload), int(m.split_by_origin)])
         dist.broadcast(header, 0, group=self.group)
         dist.broadcast(payload, 0, group=self.group)
 
@@ -39,7 +39,7 @@ class StepChannel:
         """The next step, or None when rank 0 stops the workers."""
         header = torch.empty(_HEADER, dtype=torch.long)
         dist.broadcast(header, 0, group=self.group)
-        kind, tokens, paged, width, paged_tokens, n_spans, n_copies, n_rows, block_size, size = header.tolist()
+        kind, tokens, paged, width, paged_tokens, n_spans, n_copies, n_rows, block_size, size, split = header.tolist()
         if kind == _STOP:
             return None
         payload = torch.empty(size, dtype=torch.long)
@@ -60,5 +60,5 @@ class StepChannel:
         rows = None if n_rows < 0 else take(n_rows)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start=query_start, context_lens=lens,
                                  prefills=prefills, positions=positions, block_size=block_size,
-                                 num_paged_tokens=paged_tokens)
+                                 num_paged_tokens=paged_tokens, split_by_origin=bool(split))
         return StepInputs(input_ids, meta, copies, rows)
