@@ -40,7 +40,9 @@ CONFIGS: dict[str, dict] = {
     # AWQ without llm-awq's range clipping (on by default: see quant/awq.py)
     "awq-3-noclip": dict(method="awq", bits=3, awq_clip=False),
 }
-PUBLISHED = {"smollm2": 19.0292, "qwen2.5-coder-1.5b": 12.3798}  # llama-perplexity -c 512 --chunks 40 (BASELINES.md)
+# llama-perplexity -c 512 --chunks 40 on the same GGUF files: the llama.cpp rows of
+# benchmarks/results/perplexity_kv_cache_dtype.json (benchmarks/kv_cache_perplexity.py --llama-cpp-dir)
+PUBLISHED = {"smollm2": 19.0292, "qwen2.5-coder-1.5b": 12.3798}
 
 
 def folder_bytes(path: Path) -> int:
@@ -98,7 +100,7 @@ def markdown(results: dict, model: str) -> str:
         lines.append(f"| {name} | {r['bits']:.2f} | {r['linear_bits_per_weight']:.3f} | {r['linear_bytes'] / 1e6:.1f} | "
                      f"{r['file_bytes'] / 1e6:.1f} | {r['ppl']:.4f} ± {r['stderr']:.2f} | {delta} |")
     if model in PUBLISHED:
-        lines.append(f"| llama.cpp `llama-perplexity` on the original GGUF (published) | | | | | {PUBLISHED[model]} | |")
+        lines.append(f"| llama.cpp `llama-perplexity` on the original GGUF (perplexity_kv_cache_dtype.json) | | | | | {PUBLISHED[model]} | |")
     return "\n".join(lines)
 
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,22 +69,48 @@ class MachineProfile:
 
 
 def machine_facts(threads: int | None = None) -> dict:
-    """What every speed figure must name: the CPU, the instruction set our kernels and ATen ran at
-    (forced lower by WALLBREAKER_CPU_ISA / ATEN_CPU_CAPABILITY), the threads, and the stored read
-    bandwidth at those threads (`wallbreaker roofline` measures and stores it)."""
+    """What every speed figure must name: the CPU (model name, and vendor, family/model/stepping and
+    caches, which tell apart chips that share a name), the instruction set our kernels and ATen ran
+    at (forced lower by WALLBREAKER_CPU_ISA / ATEN_CPU_CAPABILITY), the threads, the stored read
+    bandwidth at those threads (`wallbreaker roofline` measures and stores it), and the commit and
+    command line that made the figure (benchmarks/tables.py prints them beside every row)."""
     from .. import kernels
+    from ..kernels.cpu_id import this_cpu
     threads = threads or torch.get_num_threads()
     profile = load_profile()
     bandwidth = profile.read_bandwidth(threads) if profile else None
-    return {"cpu": kernels.cpu_model(), "cpu_isa": kernels.cpu_isa(), "kernel_isa": kernels.isa(),
+    return {"cpu": kernels.cpu_model(), "cpu_id": this_cpu(), "cpu_isa": kernels.cpu_isa(), "kernel_isa": kernels.isa(),
             "aten_isa": torch.backends.cpu.get_cpu_capability(), "threads": threads,
-            "read_bandwidth_gb_per_s": round(bandwidth / 1e9, 1) if bandwidth else None}
+            "read_bandwidth_gb_per_s": round(bandwidth / 1e9, 1) if bandwidth else None,
+            "commit": source_commit(), "command": command_line()}
+
+
+def source_commit() -> str | None:
+    """The git commit of this source tree (`+dirty` where tracked files differ), or None outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "") if head else None
+
+
+def command_line() -> str:
+    """The command that is running, as typed: `wallbreaker bench ...` or `benchmarks/x.py ...`."""
+    argv = list(sys.argv) or [""]
+    if Path(argv[0]).name == "wallbreaker":
+        argv[0] = "wallbreaker"
+    return shlex.join(argv)
 
 
 def describe_machine(facts: dict) -> str:
     bandwidth = f"{facts['read_bandwidth_gb_per_s']} GB/s read" if facts.get("read_bandwidth_gb_per_s") \
         else "bandwidth not measured (run `wallbreaker roofline`)"
-    return (f"{facts['cpu']}; kernels {facts['kernel_isa']} (CPU supports {facts['cpu_isa']}), "
+    cpu = f"{facts['cpu']} ({facts['cpu_id']})" if facts.get("cpu_id") else facts["cpu"]
+    return (f"{cpu}; kernels {facts['kernel_isa']} (CPU supports {facts['cpu_isa']}), "
             f"ATen {facts['aten_isa']}; {facts['threads']} threads; {bandwidth}")
 
 

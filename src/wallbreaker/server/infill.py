@@ -66,7 +66,7 @@ class InfillRequest(LlamaCppSamplerFields):
     t_max_prompt_ms: int | None = None
     response_fields: list[str] | None = None
     # Sent by llama.vscode on every request, so accepted, but not applied: the samplers run in
-    # wallbreaker's one order (README), `n_predict` bounds the reply rather than a time limit or an
+    # wallbreaker's one order (docs/samplers.md), `n_predict` bounds the reply rather than a time limit or an
     # indentation rule.
     samplers: list[Literal[*LLAMA_CPP_SAMPLERS]] | None = None
     t_max_predict_ms: int | None = None
