@@ -434,12 +434,35 @@ def speculative(files: dict) -> list[str]:
     return lines
 
 
+def agent_turns(files: dict) -> list[str]:
+    """Each agent's turns against `wallbreaker serve`, one row an agent: wall / first token, seconds."""
+    lines = ["| agent | cold | warm | task | exit codes | largest prompt (tokens) | load 1m | file |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    runs = sorted((n for n in files if n.startswith("agent_turns_")), key=lambda n: -len(files[n]["turns"]))
+    for name in runs:
+        by_agent: dict[str, dict] = {}
+        for t in files[name]["turns"]:
+            by_agent.setdefault(t["agent"], {})[t["turn"]] = t
+        for agent, turns in by_agent.items():
+            cell = lambda k: f"{num(turns[k]['wall_s'])} / {num(turns[k]['first_token_s'])}" if k in turns else ""  # noqa: E731
+            prompts = [r["prompt_tokens"] for t in turns.values() for r in t["requests"]]
+            loads = [t["load_average_1m"] for t in turns.values()]
+            lines.append(f"| {agent} | {cell('cold')} | {cell('warm')} | {cell('task')} | "
+                         f"{', '.join(str(t['exit_code']) for t in turns.values())} | {max(prompts, default=0):,} | "
+                         f"{num(min(loads), 2)}-{num(max(loads), 2)} | {link(name)} |")
+    lines.append("")
+    for name in runs:
+        d = files[name]
+        lines.append(f"- {link(name)}: {d['model']}; host {host(d['machine'])}; commit {commit_of(d)}; `{d['command']}`.")
+    return lines
+
+
 GENERATORS = {
     "headline": headline, "speed": speed, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
     "recurrent_step": recurrent_step, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,
-    "embeddings": embeddings,
+    "embeddings": embeddings, "agent_turns": agent_turns,
 }
 
 
