@@ -46,8 +46,8 @@ def test_a_quantized_linear_row_is_the_same_alone_and_among_many():
 def dense(request, monkeypatch) -> bool:
     """The dense bfloat16 prefill path off, and on wherever the CPU can run it (not only with AMX):
     WALLBREAKER_DENSE_PREFILL (kernels/__init__.py `dense_path`)."""
-    if request.param and not qk._C.dense_supported():
-        pytest.skip("the dense path needs AVX-512 BF16")
+    if request.param and not (qk._C.dense_supported() and qk.isa() == "avx512"):
+        pytest.skip("the dense path needs AVX-512 BF16 and the avx512 kernel level")
     monkeypatch.setenv("WALLBREAKER_DENSE_PREFILL", "1" if request.param else "0")
     monkeypatch.setattr(qk, "_dense", None)
     assert qk.dense_path() == request.param or qk.isa() != "avx512"

@@ -13,11 +13,13 @@ same bits whatever chunk, cache hit or neighbours its step has.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import _C
 from .recurrent import StateMetadata
@@ -175,13 +177,28 @@ def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window,
     for r in range(0, rows, INVARIANT_QUERIES):
         sub = slice(r, r + INVARIANT_QUERIES)
         if softcap is None:
-            parts.append(F.scaled_dot_product_attention(q[:, :, sub], k, v, attn_mask=mask[sub], scale=scale,
-                                                        enable_gqa=True))
+            with _sdpa_backend():
+                parts.append(F.scaled_dot_product_attention(q[:, :, sub], k, v, attn_mask=mask[sub], scale=scale,
+                                                            enable_gqa=True))
         else:
             parts.append(_softcapped(q[:, :, sub], k, v, mask[sub], scale, softcap,
                                      None if shift is None else shift[:, :, sub]))
     out = torch.cat(parts, dim=2)[0, :, :length].transpose(0, 1)
     return out if kv.v_offset is None else out.float() + _per_query_head(kv.v_offset, heads)
+
+
+_math_sdpa: bool | None = None
+
+
+def _sdpa_backend():
+    """PyTorch's math SDPA where ATen is capped below AVX-512 (ATEN_CPU_CAPABILITY=avx2) on a CPU with
+    AMX: its bfloat16 flash kernel, given a mask, packs by the CPU's features and then refuses the
+    capped level ("pack_vnni2 is only supported when avx512 is supported"). Elsewhere, the default."""
+    global _math_sdpa
+    if _math_sdpa is None:
+        from ..kernels import _amx
+        _math_sdpa = _amx() and torch.backends.cpu.get_cpu_capability() != "AVX512"
+    return sdpa_kernel(SDPBackend.MATH) if _math_sdpa else contextlib.nullcontext()
 
 
 def _softcapped(q, k, v, mask, scale: float, softcap: float, shift: torch.Tensor | None = None) -> torch.Tensor:
