@@ -6,8 +6,10 @@ detokenizer keeps special tokens when asked (the markers of several formats are 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+from harmony_vocab import INSTALL as HARMONY_INSTALL, encodings_base
 from tool_formats import FAMILIES, TEMPLATES, TOOLS, TWO_CALLS, tool_call
 
 from wallbreaker import LLM, SamplingParams
@@ -83,11 +85,11 @@ def test_harmony_streamed_in_pieces_splits_as_the_whole(size):
 
 def _harmony_encoding():
     harmony = pytest.importorskip("openai_harmony")
-    try:
-        return harmony, harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
-    except Exception as e:  # its tokenizer's vocabulary is downloaded on first use
-        pytest.skip(f"openai-harmony cannot load its vocabulary ({e}); put o200k_base.tiktoken in a folder "
-                    "named by TIKTOKEN_ENCODINGS_BASE")
+    base = encodings_base()
+    if base is None:
+        pytest.skip(f"openai-harmony's vocabulary (o200k_base.tiktoken) is not here; make it with: {HARMONY_INSTALL}")
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = base
+    return harmony, harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
 
 
 def test_harmony_calls_match_openai_harmonys_rendering_and_parsing():
