@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+import client_commands as commands  # noqa: E402
 from client_install import AIDER, CLAUDE, CODEX, LLM, OPENAI_AGENTS, OPENCODE, Client  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -41,69 +42,16 @@ ACCESS = re.compile(r"(?P<id>\S+) POST (?P<path>\S+) (?P<status>\d+) prompt_toke
                     r"completion_tokens=(?P<completion>\d+) ttft=(?P<ttft>[\d.]+|-)s? total=(?P<total>[\d.]+)s")
 
 
-def agent_env(home: Path, **extra: str) -> dict[str, str]:
-    skip = ("ANTHROPIC_", "OPENAI_", "CLAUDE_", "CODEX_", "OPENCODE", "XDG_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(skip) and k not in ("PYTHONPATH", "HOME")}
-    home.mkdir(parents=True, exist_ok=True)
-    return {**env, "HOME": str(home), **extra}
-
-
-def claude_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
-    env = agent_env(home, ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="x", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
-    return [exe, "-p", prompt, "--allowedTools", "Read"], env  # the option takes every word after it
-
-
-def codex_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
-    codex_home = home / "codex-home"
-    codex_home.mkdir(parents=True, exist_ok=True)
-    (codex_home / "config.toml").write_text(
-        'model = "local"\nmodel_provider = "wallbreaker"\n\n[model_providers.wallbreaker]\nname = "wallbreaker"\n'
-        f'base_url = "{url}/v1"\nwire_api = "responses"\n')
-    return [exe, "exec", "--skip-git-repo-check", prompt], agent_env(home, CODEX_HOME=str(codex_home))
-
-
-def opencode_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
-    config = home / ".config" / "opencode"
-    config.mkdir(parents=True, exist_ok=True)
-    provider = {"npm": "@ai-sdk/openai-compatible", "name": "wallbreaker", "models": {"local": {"name": "local"}},
-                "options": {"baseURL": f"{url}/v1", "apiKey": "x"}}
-    (config / "opencode.json").write_text(json.dumps({"$schema": "https://opencode.ai/config.json",
-                                                      "model": "wallbreaker/local",
-                                                      "provider": {"wallbreaker": provider}}))
-    env = agent_env(home, XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"),
-                    XDG_CACHE_HOME=str(home / ".cache"), XDG_STATE_HOME=str(home / ".local/state"))
-    return [exe, "run", prompt], env
-
-
-def aider_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
-    return ([exe, "--model", "openai/local", "--openai-api-base", f"{url}/v1", "--openai-api-key", "x", "--no-git",
-             "--yes", "--no-check-update", "--no-show-model-warnings", "--analytics-disable", "--no-pretty",
-             "--message", prompt, "hello.py"], agent_env(home, LITELLM_LOCAL_MODEL_COST_MAP="True"))
-
-
-def llm_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
-    user = home / "llm"
-    user.mkdir(parents=True, exist_ok=True)
-    (user / "extra-openai-models.yaml").write_text(f'- model_id: wallbreaker\n  model_name: local\n  api_base: "{url}/v1"\n')
-    return [exe, "-m", "wallbreaker", prompt], agent_env(home, LLM_USER_PATH=str(user), OPENAI_API_KEY="x")
-
-
-def agents_sdk_command(exe: str, url: str, home: Path, prompt: str) -> tuple[list[str], dict[str, str]]:
-    """tests/client_scripts/agent_with_tool.py: its question about the weather; `prompt` is not used."""
-    return [exe, str(ROOT / "tests" / "client_scripts" / "agent_with_tool.py"), f"{url}/v1", "local", "responses"], \
-        agent_env(home)
-
-
-AIDER_TASK = "Add a docstring to hello.py"
+AIDER_TASK = f"Add a docstring to {commands.AIDER_FILE}"
 AGENTS_TASK = "What is the weather in Paris? (its get_weather tool)"
 # name -> (client, command builder, its turns)
 AGENTS: dict[str, tuple[Client, object, tuple[tuple[str, str], ...]]] = {
-    "claude": (CLAUDE, claude_command, (("cold", HELLO), ("warm", HELLO), ("task", TASK))),
-    "codex": (CODEX, codex_command, (("cold", HELLO), ("warm", HELLO), ("task", TASK))),
-    "opencode": (OPENCODE, opencode_command, (("cold", HELLO), ("warm", HELLO), ("task", TASK))),
-    "aider": (AIDER, aider_command, (("task", AIDER_TASK),)),
-    "llm": (LLM, llm_command, (("cold", HELLO),)),
-    "openai-agents": (OPENAI_AGENTS, agents_sdk_command, (("task", AGENTS_TASK),)),
+    "claude": (CLAUDE, commands.claude, (("cold", HELLO), ("warm", HELLO), ("task", TASK))),
+    "codex": (CODEX, commands.codex, (("cold", HELLO), ("warm", HELLO), ("task", TASK))),
+    "opencode": (OPENCODE, commands.opencode, (("cold", HELLO), ("warm", HELLO), ("task", TASK))),
+    "aider": (AIDER, commands.aider, (("task", AIDER_TASK),)),
+    "llm": (LLM, commands.llm, (("cold", HELLO),)),
+    "openai-agents": (OPENAI_AGENTS, commands.openai_agents, (("task", AGENTS_TASK),)),
 }
 
 
@@ -113,7 +61,7 @@ def access_lines(log: str) -> list[dict]:
 
 def turn(name: str, exe: str, build, server: ServerProcess, folder: Path, prompt: str) -> dict:
     """One turn: the agent's command timed, and what the server logged for its requests."""
-    args, env = build(exe, server.url, folder.parent / "home", prompt)
+    args, env = build(exe, server.url, folder.parent / "home", prompt, "local")
     before = len(access_lines(server.log()))
     start = time.perf_counter()
     try:
@@ -161,7 +109,7 @@ def main() -> None:
         folder = args.work / name / "work"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "notes.txt").write_text(f"Meeting notes.\nThe code word is {CODE_WORD}.\n")
-        (folder / "hello.py").write_text("def hello():\n    print('hi')\n")
+        (folder / commands.AIDER_FILE).write_text("def hello():\n    print('hi')\n")
         server = ServerProcess(args.model, "--dtype", "auto", log_path=args.work / name / "server.log")
         try:
             for label, prompt in turns:
