@@ -140,6 +140,25 @@ def test_any_chunking_and_any_neighbour_give_the_same_logits(model, dtype, chunk
     assert torch.equal(chunked, alone)
 
 
+def test_a_context_past_one_key_block_gives_the_same_logits_cached_and_chunked(packaged_model, dense):
+    """A prompt of ~1,200 tokens spans three of SDPA's 512-key blocks, so each 64-query call reads
+    the blocks up to its own queries: cold in one step, after a cached prefix and in chunks of 64
+    beside another prompt, the same bits (SmolLM2: the tiny models' context is 512)."""
+    model = packaged_model("smollm2")
+    long_prompt = DOCUMENT * 8 + QUESTION
+    kw = dict(batch_invariant=True, kv_block_size=16, kv_cache_memory_gb=0.1, max_model_len=2048)
+    cold_tokens, (cold,), _ = first_logits(LLM(str(model), enable_prefix_caching=False,
+                                               max_num_batched_tokens=2048, **kw), [long_prompt])
+    warm_llm = LLM(str(model), **kw)
+    first_logits(warm_llm, [DOCUMENT * 7])
+    warm_tokens, (warm,), (metrics,) = first_logits(warm_llm, [long_prompt])
+    assert metrics["num_cached_prompt_tokens"] == len(DOCUMENT) * 7 // 16 * 16
+    _, (_, chunked), _ = first_logits(LLM(str(model), enable_prefix_caching=False, max_num_batched_tokens=64, **kw),
+                                      [QUESTION * 3, long_prompt])
+    assert warm_tokens == cold_tokens
+    assert torch.equal(warm, cold) and torch.equal(chunked, cold)
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_pages_read_back_from_disk_give_the_cold_logits(tiny_qwen2, tmp_path, kv_dtype):
     prompt = DOCUMENT + QUESTION

@@ -177,9 +177,12 @@ def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window,
     for r in range(0, rows, INVARIANT_QUERIES):
         sub = slice(r, r + INVARIANT_QUERIES)
         if softcap is None:
+            # SDPA over the key blocks up to the call's last query: the blocks past it are wholly
+            # masked, so leaving them out changes no bits (as a shorter cached context does)
+            reach = min(-(-(ctx - length + r + INVARIANT_QUERIES) // INVARIANT_KEYS) * INVARIANT_KEYS, keys)
             with _sdpa_backend():
-                parts.append(F.scaled_dot_product_attention(q[:, :, sub], k, v, attn_mask=mask[sub], scale=scale,
-                                                            enable_gqa=True))
+                parts.append(F.scaled_dot_product_attention(q[:, :, sub], k[:, :, :reach], v[:, :, :reach],
+                                                            attn_mask=mask[sub, :reach], scale=scale, enable_gqa=True))
         else:
             parts.append(_softcapped(q[:, :, sub], k, v, mask[sub], scale, softcap,
                                      None if shift is None else shift[:, :, sub]))
