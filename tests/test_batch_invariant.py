@@ -140,6 +140,24 @@ def test_any_chunking_and_any_neighbour_give_the_same_logits(model, dtype, chunk
     assert torch.equal(chunked, alone)
 
 
+def test_a_short_prompt_takes_the_decode_path_and_its_blocks_serve_no_longer_prompt(model, dtype, dense, tmp_path):
+    """A prompt of at most SHORT_PROMPT tokens is computed on the decode path: a longer prompt that
+    starts with it finds none of its blocks (they would hold other bits than its own prefill), and
+    gets the cold logits; a short prefix saved as a session is computed on the prefill path, so the
+    longer prompt does reuse it."""
+    from wallbreaker.layers.linear import SHORT_PROMPT
+    short, long_prompt = DOCUMENT[:SHORT_PROMPT - 8], DOCUMENT[:SHORT_PROMPT - 8] + QUESTION * 3
+    _, (cold,), _ = first_logits(make(model, dtype=dtype, enable_prefix_caching=False), [long_prompt])
+    llm = make(model, dtype=dtype, kv_cache_disk_dir=str(tmp_path))
+    first_logits(llm, [short])
+    _, (warm,), (metrics,) = first_logits(llm, [long_prompt])
+    assert metrics["num_cached_prompt_tokens"] == 0 and torch.equal(warm, cold)
+    saver = make(model, dtype=dtype, kv_cache_disk_dir=str(tmp_path))
+    saver.save_prefix({"prompt_token_ids": short}, "short")
+    _, (restored,), (metrics,) = first_logits(saver, [long_prompt])
+    assert metrics["num_cached_prompt_tokens"] == len(short) // 16 * 16 and torch.equal(restored, cold)
+
+
 def test_a_context_past_one_key_block_gives_the_same_logits_cached_and_chunked(packaged_model, dense):
     """A prompt of ~1,200 tokens spans three of SDPA's 512-key blocks, so each 64-query call reads
     the blocks up to its own queries: cold in one step, after a cached prefix and in chunks of 64
@@ -183,9 +201,8 @@ def test_an_encoder_loads_with_the_default(tmp_path):
 
 
 # -- the default options on real models: same request, same tokens ---------------------------------
-# Issue 48's acceptance: greedy 32 tokens, the same whatever else the engine does. Four prompts a
-# model (the issue's ten would take ~3x the time on 2 cores), each scenario against the plainest run:
-# one request at a time, no prefix cache.
+# Issue 48's acceptance: greedy 32 tokens for ten prompts a model, the same whatever else the engine
+# does, each scenario against the plainest run: one request at a time, no prefix cache.
 REAL_MODELS = ["smollm2", "qwen2.5-coder-0.5b", "gemma3-270m"]
 TEXTS = [
     "The three primary colors are",
@@ -194,6 +211,12 @@ TEXTS = [
     "Question: What is the capital of France?\nAnswer: The capital of France is Paris.\n"
     "Question: What is the capital of Italy?\nAnswer:",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "<html>\n<head>\n  <title>My page</title>\n</head>\n<body>\n  <ul>\n    <li>",
+    "Translate to French: The weather is lovely today, and the children are playing in the park.\nFrench:",
+    "1, 1, 2, 3, 5, 8, 13, 21,",
+    '{"name": "Ada Lovelace", "born": 1815, "known_for": [',
+    "User: How do I make a cup of tea?\nAssistant: Boil water, then",
+    "SELECT name, COUNT(*) FROM orders JOIN customers ON orders.customer_id = customers.id GROUP BY",
 ]
 OTHERS = ["Hello", "List the planets of the solar system in order from the sun:",
           "import numpy as np\nimport torch\n\n", "A haiku about autumn:"]
@@ -226,9 +249,12 @@ def test_the_same_request_three_times_gives_the_same_tokens(real):
 
 
 def test_a_batch_of_eight_gives_each_its_tokens_alone(real):
+    """Two batches of eight: five of TEXTS among three others, in changing places."""
     _, llm, expected = real
-    got = token_ids(llm, OTHERS[:2] + TEXTS[:2] + OTHERS[2:] + TEXTS[2:])
-    assert got[2:4] + got[6:] == expected
+    for first in (0, 5):
+        texts = TEXTS[first:first + 5]
+        got = token_ids(llm, [OTHERS[0]] + texts[:2] + [OTHERS[1]] + texts[2:] + [OTHERS[2]])
+        assert got[1:3] + got[4:7] == expected[first:first + 5]
 
 
 def test_a_prefix_hit_of_any_length_and_a_reply_after_an_answer(real):

@@ -294,7 +294,7 @@ class LLM:
                           for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, encoded: list[tuple[str | None, list[int], str | None]], sampling_params,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, saved_prefix: bool = False) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(params_list) != len(encoded):
@@ -302,7 +302,8 @@ class LLM:
         ids = []
         try:
             for (text, token_ids, salt), p in zip(encoded, params_list):
-                ids.append(self.engine.add_request(EngineRequest(token_ids, p, text, cache_salt=salt)))
+                ids.append(self.engine.add_request(EngineRequest(token_ids, p, text, cache_salt=salt,
+                                                                 saved_prefix=saved_prefix)))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
@@ -389,7 +390,7 @@ class LLM:
             salt = None
         else:
             (text, token_ids), salt = self.encode(prompt), _cache_salt(prompt)
-        self._run([(text, token_ids, salt)], SamplingParams(max_tokens=1, temperature=0.0), False)
+        self._run([(text, token_ids, salt)], SamplingParams(max_tokens=1, temperature=0.0), False, saved_prefix=True)
         return self.engine.save_session(name, token_ids, salt)
 
     def load_prefix(self, name: str) -> SessionInfo:

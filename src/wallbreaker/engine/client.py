@@ -30,6 +30,9 @@ class EngineRequest:
     cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
     grammar: Grammar | None = None  # `params.structured_outputs` compiled already (off the engine thread)
     pooling: PoolingParams | None = None  # set: a pooling request (an embedding, a score), run once, nothing generated
+    # computed to be saved as a session (the prefix of longer prompts to come): its prompt takes the
+    # prefill path however short (batch-invariant mode, layers/linear.py SHORT_PROMPT)
+    saved_prefix: bool = False
 
 
 @dataclass

@@ -15,6 +15,7 @@ from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.tokenizer import Tokenizer
 from ..kv.sessions import SessionInfo, SessionStore
 from ..layers.dry import DryBreakers
+from ..layers.linear import SHORT_PROMPT
 from ..layers.sampler import sample, top_logprobs
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .client import EngineRequest, StepResult
@@ -56,6 +57,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     failure: StepFailure | None = None
     pooled: torch.Tensor | None = None  # a pooling request's vector, once computed
+    saved_prefix: bool = False  # EngineRequest.saved_prefix
 
     @property
     def finished(self) -> bool:
@@ -127,7 +129,8 @@ class LLMEngine:
         prompt_ids = list(request.prompt_token_ids)
         state = Request(request_id, request.prompt, prompt_ids, params, salt, grammar if spec is not None else None,
                         self.structured.bad_words_ids(params.bad_words),
-                        self.dry_breakers.ids(params.dry_sequence_breakers) if params.uses_dry else frozenset())
+                        self.dry_breakers.ids(params.dry_sequence_breakers) if params.uses_dry else frozenset(),
+                        saved_prefix=request.saved_prefix)
         seq = self._new_sequence(state, 0, list(prompt_ids),
                                  state.grammar.matcher() if state.grammar is not None else None, params.n - 1)
         self._requests[request_id] = state
@@ -223,7 +226,8 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request.request_id, index, token_ids, len(request.prompt_token_ids),
                        params, detok, generator, stop_token_ids=stops, cache_salt=request.cache_salt,
                        arrival_time=request.arrival_time, pending_fork=pending_fork, grammar=grammar,
-                       bad_words_ids=request.bad_words_ids, dry_breaker_ids=request.dry_breaker_ids)
+                       bad_words_ids=request.bad_words_ids, dry_breaker_ids=request.dry_breaker_ids,
+                       prefill_path=len(request.prompt_token_ids) > SHORT_PROMPT or request.saved_prefix)
         request.seqs.append(seq)
         return seq
 

@@ -157,7 +157,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             if self.split_by_origin:
-                cut = end if seq.pooling else min(max(start, seq.num_prompt_tokens), end)
+                cut = end if seq.pooling else min(max(start, seq.num_prefill_path_tokens), end)
                 pieces += [(j, start, cut, False)] if cut > start else []
                 pieces += [(j, cut, end, True)] if end > cut else []
             else:

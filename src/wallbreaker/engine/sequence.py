@@ -72,6 +72,9 @@ class Sequence:
     dry_breaker_ids: frozenset[int] = frozenset()  # DRY's sequence breakers, as token ids
     mirostat_mu: float | None = None  # mirostat's state (None: not drawn yet, or no mirostat)
     pooling: bool = False  # a pooling request's: computed whole in one step, then finished (nothing sampled)
+    # batch-invariant mode: its prompt tokens take the prefill path; False for a short prompt, whose
+    # tokens all take the decode path (layers/linear.py SHORT_PROMPT)
+    prefill_path: bool = True
     # recurrent layers (kv/state_pool.py): the slot with the state after num_computed_tokens, and
     # while a step runs the (k, slot) it writes, the state after its first k tokens
     state_slot: int = 0
@@ -166,6 +169,11 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_prefill_path_tokens(self) -> int:
+        """Its first tokens that take the prefill path in batch-invariant mode: the prompt, or none."""
+        return self.num_prompt_tokens if self.prefill_path else 0
 
     @property
     def is_finished(self) -> bool:

@@ -25,6 +25,7 @@ from .state_pool import StatePool
 class PagedSequence(Protocol):
     token_ids: list[int]
     num_prompt_tokens: int
+    num_prefill_path_tokens: int
     num_computed_tokens: int
     block_table: list[int]
     block_hashes: list[bytes]
@@ -73,7 +74,8 @@ class BlockManager:
             yield parent, tokens
 
     def _num_prompt(self, seq: PagedSequence) -> int | None:
-        return seq.num_prompt_tokens if self.origin_keys else None
+        """Its tokens computed as prompt (on the prefill path), for its blocks' keys."""
+        return seq.num_prefill_path_tokens if self.origin_keys else None
 
     def _prompt_in(self, block: int, num_prompt_tokens: int | None) -> int | None:
         """The prompt tokens of the `block`-th block, for its key (None: not part of the key)."""

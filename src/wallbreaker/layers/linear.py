@@ -15,7 +15,10 @@ output bits do not depend on the other rows of the call. Two rules give that:
   `PROMPT_ROWS`-row float calls), generated tokens the decode path (integer tiles, `INVARIANT_ROWS`-row
   float calls), whether they come in a decode step, a speculative verification or a recompute after
   preemption. A layer without one (the output head, an expert of a mixture that sees some of the
-  rows) takes the decode path for every row."""
+  rows) takes the decode path for every row. A prompt of at most `SHORT_PROMPT` tokens takes the
+  decode path whole (engine/sequence.py `prefill_path`): padded to one `PROMPT_ROWS`-row dense call
+  it would cost twice its time on the integer tiles (Qwen2.5-0.5B, 32 tokens, AMX Xeon). The
+  choice depends on the request alone, and the prefix cache keys such a prompt's blocks apart."""
 from __future__ import annotations
 
 import torch
@@ -33,6 +36,7 @@ _qmatmul_dense = qk._C.qmatmul_dense
 
 INVARIANT_ROWS = 16  # rows of every float matmul call of generated tokens in batch-invariant mode
 PROMPT_ROWS = 512  # rows of every float and dense matmul call of prompt tokens: the default prefill chunk
+SHORT_PROMPT = 64  # a prompt of at most this many tokens takes the decode path whole
 
 
 class PromptRows:

@@ -68,7 +68,8 @@ def add_session_routes(app: FastAPI, state: ServerState, dependencies: list) -> 
         client = state.engine.client
         with _api_errors():
             client.check_prompt(ids, 1)
-        prefill = EngineRequest(ids, SamplingParams(max_tokens=1, temperature=0.0), text, request_id, body.cache_salt)
+        prefill = EngineRequest(ids, SamplingParams(max_tokens=1, temperature=0.0), text, request_id, body.cache_salt,
+                                saved_prefix=True)
         handle = state.engine.submit([prefill], stream=False)
         await collect(handle, request, deadline, state.request_timeout)
         with _api_errors():

@@ -92,7 +92,8 @@ class DraftProposer:
             if target.params.seed is not None:
                 generator = torch.Generator().manual_seed(target.params.seed + DRAFT_SEED_OFFSET + target.index)
             d = Sequence(target.seq_id, target.request_id, target.index, list(target.token_ids),
-                         target.num_prompt_tokens, target.params, None, generator)
+                         target.num_prompt_tokens, target.params, None, generator,
+                         prefill_path=target.prefill_path)
             self.seqs[target.seq_id] = d
             return self._constrain(d, target)
         common = 0
