@@ -30,6 +30,7 @@ class EngineRequest:
     cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
     grammar: Grammar | None = None  # `params.structured_outputs` compiled already (off the engine thread)
     pooling: PoolingParams | None = None  # set: a pooling request (an embedding, a score), run once, nothing generated
+    images: tuple = ()  # vision.inputs.ImageInput of each image, by the positions of its soft tokens
 
 
 @dataclass
