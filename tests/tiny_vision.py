@@ -83,20 +83,37 @@ def _tokenizer() -> Tokenizer:
     return tok
 
 
-def make_tiny_gemma3_vision(out: Path, seed: int = 0) -> Path:
-    """The folder of a tiny Gemma 3 vision model under `out`; returns it."""
+def _smollm2_with_gemma_tokens() -> Tokenizer:
+    """SmolLM2's tokenizer (one llama.cpp's converter recognizes) with Gemma's special tokens added."""
+    from tiny_recurrent import smollm2_tokenizer
+    from tokenizers import AddedToken
+
+    tok = Tokenizer.from_str(smollm2_tokenizer().backend_tokenizer.to_str())
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B", special_tokens=[])
+    return tok
+
+
+def make_tiny_gemma3_vision(out: Path, seed: int = 0, *, convertible: bool = False) -> Path:
+    """The folder of a tiny Gemma 3 vision model under `out`; returns it. `convertible`: with SmolLM2's
+    tokenizer (plus Gemma's special tokens) and the tensor names of Google's releases
+    (`language_model.model.*`, `vision_tower.vision_model.*`), as llama.cpp's converter reads them."""
     import transformers as tf
     from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer()
+    tok = _smollm2_with_gemma_tokens() if convertible else _tokenizer()
     ids = {t: tok.token_to_id(t) for t in SPECIAL}
+    # llama.cpp's Gemma 3 has no keys for the layer pattern, the local RoPE base or the attention scale:
+    # it takes every sixth layer as global, 10000 and 1/sqrt(head_dim); a convertible model keeps to them
+    layers = ["sliding_attention"] * 5 + ["full_attention"] if convertible else \
+        ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
     text = tf.Gemma3TextConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=len(layers),
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
-        rope_theta=1e6, rope_local_base_freq=20000.0, query_pre_attn_scalar=32, sliding_window=12,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_theta=1e6, rope_local_base_freq=10000.0 if convertible else 20000.0,
+        query_pre_attn_scalar=16 if convertible else 32, sliding_window=12, layer_types=layers,
         hidden_activation="gelu_pytorch_tanh", initializer_range=0.08, bos_token_id=ids["<bos>"],
         eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"])
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -124,6 +141,11 @@ def make_tiny_gemma3_vision(out: Path, seed: int = 0) -> Path:
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(out)
+    if convertible:
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(out / "model.safetensors")
+        save_file({("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
+                   for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",

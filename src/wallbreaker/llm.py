@@ -71,13 +71,30 @@ def _cache_salt(prompt: PromptType) -> str | None:
     return salt
 
 
-def _vision_model(files: ModelFiles):
-    """The vision encoder of a model that takes images (a Gemma 3 folder with its vision tower), else None."""
-    if files.format != "hf":
-        return None
+def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
+    """The vision encoder of a model that takes images: a Gemma 3 folder with its vision tower, or a
+    GGUF text model with its `mmproj` file (given, or the one `mmproj*.gguf` beside it); else None."""
     from .vision.gemma3 import Gemma3Vision, is_gemma3_vision_config
-    return Gemma3Vision.from_folder(files.path, files.tokenizer) if is_gemma3_vision_config(_config_json(files.path)) \
-        else None
+    if files.format == "hf":
+        if mmproj is not None:
+            raise InvalidRequestError("mmproj goes with a GGUF text model; a Hugging Face folder carries its own "
+                                      "vision tower")
+        return Gemma3Vision.from_folder(files.path, files.tokenizer) \
+            if is_gemma3_vision_config(_config_json(files.path)) else None
+    if mmproj is None:
+        found = sorted(Path(files.path).parent.glob("mmproj*.gguf"))
+        if len(found) != 1 or found[0] == Path(files.path):
+            return None
+        mmproj = found[0]
+    if files.config.architecture != "gemma3":
+        raise InvalidRequestError(f"mmproj: vision is supported for gemma3 text models, not "
+                                  f"{files.config.architecture}")
+    from .vision.mmproj import read_mmproj
+    vision = read_mmproj(mmproj, files.tokenizer)
+    if vision.hidden_size != files.config.hidden_size:
+        raise InvalidRequestError(f"mmproj {mmproj}: its projection gives vectors of {vision.hidden_size}, the text "
+                                  f"model's embeddings are {files.config.hidden_size} wide: not this model's")
+    return vision
 
 
 def _config_json(path: Path) -> dict:
@@ -135,7 +152,7 @@ class LLM:
         if files.config.is_recurrent and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError("recurrent and hybrid models run without tensor parallelism (not yet)")
         self.states: StatePool | None = None
-        self.vision = _vision_model(files)  # the image encoder and projector, where the model takes images
+        self.vision = _vision_model(files, self.config.mmproj)  # the image encoder and projector, where the model takes images
         if self.vision is not None and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError("vision models run without tensor parallelism (not yet)")
         if self.config.tensor_parallel_size == 1:

@@ -50,12 +50,13 @@ class ImageTokens:
 
 
 class Gemma3Vision(nn.Module):
-    def __init__(self, tower: SiglipVisionTower, projection: torch.Tensor, norm_weight: torch.Tensor,
+    def __init__(self, tower: SiglipVisionTower, projection: torch.Tensor, norm_scale: torch.Tensor,
                  tokens_per_image: int, norm_eps: float, processor: Gemma3ImageProcessor, tokens: ImageTokens):
+        """`norm_scale`: the projector's RMSNorm multiplier as applied (1 + w of the HF weight w)."""
         super().__init__()
         self.tower = tower
         self.projection = projection.float()  # [vision hidden, text hidden]
-        self.norm_weight = norm_weight.float()  # stored w, applied as 1 + w
+        self.norm_scale = norm_scale.float()
         self.norm_eps = norm_eps
         self.tokens_per_image = tokens_per_image
         self.processor = processor
@@ -78,7 +79,7 @@ class Gemma3Vision(nn.Module):
         side = self.tower.cfg.patches_per_side
         x = x.transpose(1, 2).reshape(n, h, side, side)
         x = F.avg_pool2d(x, kernel_size=self.pool, stride=self.pool).flatten(2).transpose(1, 2)  # [N, tokens, h]
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps) * (1.0 + self.norm_weight)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_scale
         return x @ self.projection
 
     @classmethod
@@ -112,7 +113,7 @@ class Gemma3Vision(nn.Module):
             raise ModelFormatError(f"{path}: the image processor's size {processor.height}x{processor.width} is not "
                                    f"the vision tower's {cfg.image_size}x{cfg.image_size}")
         return cls(SiglipVisionTower(cfg, tower), projector["mm_input_projection_weight"],
-                   projector["mm_soft_emb_norm.weight"], per_image, cfg.layer_norm_eps, processor, tokens)
+                   1.0 + projector["mm_soft_emb_norm.weight"].float(), per_image, cfg.layer_norm_eps, processor, tokens)
 
 
 def image_tokens(hf: dict[str, Any], tokenizer, per_image: int, where: str) -> ImageTokens:
