@@ -140,6 +140,15 @@ def test_truncated_image_is_refused():
         load_image(data[: len(data) // 2])
 
 
+def test_an_animated_gif_is_refused_and_a_still_one_read():
+    frames = [Image.new("RGB", (8, 8), (i, 0, 0)) for i in range(200)]
+    buf = io.BytesIO()
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:])
+    with pytest.raises(InvalidRequestError, match="animated"):
+        load_image(buf.getvalue())
+    _check(_encode(Image.fromarray(skdata.chelsea()).convert("P"), "GIF"), 64)
+
+
 def test_decompression_bomb_is_refused_from_its_header():
     data = _png_header_only(40000, 40000)
     assert len(data) < 200

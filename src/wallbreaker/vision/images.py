@@ -77,6 +77,9 @@ def _open(data: bytes, param: str | None):
             if width * height > MAX_IMAGE_PIXELS:
                 raise InvalidRequestError(f"the image is {width}x{height} pixels, more than the limit of "
                                           f"{MAX_IMAGE_PIXELS} pixels", param)
+            if getattr(image, "is_animated", False):  # the model would see one frame of many: said, not guessed
+                raise InvalidRequestError("animated images are not supported (the model reads one still image); "
+                                          "send a single frame", param)
             image.load()
     except InvalidRequestError:
         raise
