@@ -106,6 +106,30 @@ def test_ollama_chat_and_generate_images(url, expected):
     assert gen.response == expected["astronaut/eos"]
 
 
+def test_ollama_show_says_vision(url):
+    assert "vision" in ollama.Client(host=url).show("m").capabilities
+
+
+def test_a_decompression_bomb_and_too_many_images_are_400s_in_each_apis_shape(url):
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    bomb = base64.b64encode(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 40000, 40000, 8, 2, 0, 0, 0))
+                            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")).decode()
+    with pytest.raises(openai.BadRequestError, match="40000x40000|too large"):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="u", max_retries=0).chat.completions.create(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + bomb}}]}])
+    with pytest.raises(anthropic.BadRequestError, match="40000x40000|too large"):
+        anthropic.Anthropic(base_url=url, api_key="u", max_retries=0).messages.create(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": bomb}}]}])
+    with pytest.raises(ollama.ResponseError, match="more than 16 images"):
+        ollama.Client(host=url).generate(model="m", prompt="Hi", images=[png_b64("camera")] * 17)
+
+
 @pytest.mark.parametrize("part, words", [
     ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "not fetched"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "not an image"),
