@@ -104,30 +104,6 @@ def _config_json(path: Path) -> dict:
         return {}
 
 
-def _has_parts(messages) -> bool:
-    return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
-                                              for m in messages)
-
-
-def _text_only(messages):
-    """Content given as a list of text parts, joined into the string a text model's template reads."""
-    if not _has_parts(messages):
-        return messages
-    out = []
-    for n, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            texts = []
-            for k, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") in ("text", "input_text")
-                        and isinstance(part.get("text"), str)):
-                    raise InvalidRequestError(f"messages[{n}].content[{k}] must be a text part", param="messages")
-                texts.append(part["text"])
-            m = {**m, "content": "".join(texts)}
-        out.append(m)
-    return out
-
-
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **options: Any):
         start = time.perf_counter()
@@ -349,14 +325,14 @@ class LLM:
         """`encode_chat`, and the conversation's images (vision.inputs.ImageInput, by the positions of
         their soft tokens). Content may be a list of OpenAI-style parts: text, and for a model that
         takes images, `image_url` (a data URL) or `image` (a PIL image, bytes or a data URL)."""
-        from .vision.prompt import chat_prompt, has_images
-        if self.vision is not None and _has_parts(messages):
+        from .vision.prompt import chat_prompt, has_images, has_parts, joined_text_parts
+        if self.vision is not None and has_parts(messages):
             return chat_prompt(self.vision, self.chat_template, self.tokenizer, messages, add_generation_prompt,
                                tools=tools, **(chat_template_kwargs or {}))
         if has_images(messages):
             raise InvalidRequestError("this model does not take images (it has no vision encoder); send text only",
                                       param="messages")
-        messages = _text_only(messages)
+        messages = joined_text_parts(messages)
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          **(chat_template_kwargs or {}))
         bos = self.tokenizer.bos_token

@@ -28,6 +28,31 @@ def has_images(messages: Any) -> bool:
         for m in messages)
 
 
+def has_parts(messages) -> bool:
+    """Whether any message's content is a list of parts."""
+    return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                              for m in messages)
+
+
+def joined_text_parts(messages):
+    """Content given as a list of text parts, joined into the string a text model's template reads."""
+    if not has_parts(messages):
+        return messages
+    out = []
+    for n, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for k, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") in ("text", "input_text")
+                        and isinstance(part.get("text"), str)):
+                    raise InvalidRequestError(f"messages[{n}].content[{k}] must be a text part", param="messages")
+                texts.append(part["text"])
+            m = {**m, "content": "".join(texts)}
+        out.append(m)
+    return out
+
+
 def image_source(part: dict, where: str) -> Any:
     """What a part's image is given as: bytes, a data URL or base64 text, or a PIL image."""
     kind = part.get("type")
