@@ -118,3 +118,22 @@ def test_chunked_prefill_gives_the_same_logits(llm, chunk):
     whole = llm.logits(ids, images=images)
     chunked = llm.logits(ids, chunk_size=chunk, images=images)
     assert torch.equal(whole, chunked) or (whole - chunked).abs().max().item() < 1e-5
+
+
+def test_two_images_in_two_turns_match_transformers(llm, reference):
+    """Each image its own bidirectional block (never one block across both), in a multi-turn chat."""
+    model, processor = reference
+    a, b = photo("astronaut"), photo("chelsea")
+    hf_messages = [
+        {"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image", "image": b}]}]
+    inputs = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        expected = model(**inputs).logits[0]
+    _, ids, images = llm.encode_chat_images(hf_messages)
+    assert ids == inputs["input_ids"][0].tolist() and len(images) == 2
+    assert all(torch.equal(im.pixels, px) for im, px in zip(images, inputs["pixel_values"]))
+    assert (llm.logits(ids, images=images) - expected).abs().max().item() < 1e-4
+    assert (llm.logits(ids, chunk_size=9, images=images) - expected).abs().max().item() < 1e-4
