@@ -137,3 +137,13 @@ def test_two_images_in_two_turns_match_transformers(llm, reference):
     assert all(torch.equal(im.pixels, px) for im, px in zip(images, inputs["pixel_values"]))
     assert (llm.logits(ids, images=images) - expected).abs().max().item() < 1e-4
     assert (llm.logits(ids, chunk_size=9, images=images) - expected).abs().max().item() < 1e-4
+
+
+def test_the_auto_path_takes_images_too(folder, llm):
+    """The packed-kernel path (bfloat16 activations) with an image: it runs, and its first token is the
+    float32 path's (the decoder's quality on this path is measured elsewhere; the encoder is float32)."""
+    auto = LLM(folder, kv_cache_memory_gb=0.05, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    conv = conversation({"type": "image", "image": photo("astronaut")})
+    a, b = auto.chat(conv, params)[0].outputs[0], llm.chat(conv, params)[0].outputs[0]
+    assert len(a.token_ids) == 4 and a.token_ids[0] == b.token_ids[0]
