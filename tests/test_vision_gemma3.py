@@ -140,10 +140,16 @@ def test_two_images_in_two_turns_match_transformers(llm, reference):
 
 
 def test_the_auto_path_takes_images_too(folder, llm):
-    """The packed-kernel path (bfloat16 activations) with an image: it runs, and its first token is the
-    float32 path's (the decoder's quality on this path is measured elsewhere; the encoder is float32)."""
+    """The packed-kernel path with an image: it runs, its first token is the float32 path's, and its
+    encoder's projections run on our kernels within 2% of the float32 encoder's output."""
     auto = LLM(folder, kv_cache_memory_gb=0.05, max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     conv = conversation({"type": "image", "image": photo("astronaut")})
     a, b = auto.chat(conv, params)[0].outputs[0], llm.chat(conv, params)[0].outputs[0]
     assert len(a.token_ids) == 4 and a.token_ids[0] == b.token_ids[0]
+    # the encoder's projections on our kernels (Q8_0 blocks packed at load), near the float32 encoder
+    from wallbreaker.layers.linear import QuantLinear
+    assert auto.vision.tower.linears and all(isinstance(m, QuantLinear) for m in auto.vision.tower.linears.values())
+    pixels = llm.encode_chat_images(conv)[2][0].pixels[None]
+    exact, packed = llm.vision(pixels), auto.vision(pixels)
+    assert ((packed - exact).norm() / exact.norm()).item() < 0.02

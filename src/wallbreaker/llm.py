@@ -97,6 +97,16 @@ def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
     return vision
 
 
+def _packed_linear(weight: torch.Tensor, bias: torch.Tensor) -> torch.nn.Module:
+    """One of the vision encoder's projections as the `auto` path runs a decoder's: our kernels' packed
+    linear layer (float weights packed to Q8_0 blocks at load, models/source.py)."""
+    from .formats.weights import WeightRef
+    from .models.source import WeightSource
+    refs = {name: WeightRef(name, tuple(t.shape), "F32", t.numel() * 4, lambda t=t: t)
+            for name, t in (("weight", weight), ("bias", bias))}
+    return WeightSource(refs, torch.float32, packed=True).linear(["weight"], ["bias"])
+
+
 def _config_json(path: Path) -> dict:
     try:
         return json.loads((Path(path) / "config.json").read_text())
@@ -129,6 +139,8 @@ class LLM:
             raise InvalidRequestError("recurrent and hybrid models run without tensor parallelism (not yet)")
         self.states: StatePool | None = None
         self.vision = _vision_model(files, self.config.mmproj)  # the image encoder and projector, where the model takes images
+        if self.vision is not None and self.config.packed_weights:  # the auto path: the encoder's linears on our kernels
+            self.vision.tower.use_linears(_packed_linear)
         if self.vision is not None and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError("vision models run without tensor parallelism (not yet)")
         if self.config.tensor_parallel_size == 1:

@@ -74,6 +74,17 @@ class SiglipVisionTower(nn.Module):
         self.cfg = cfg
         self.w = {name: t.float().contiguous() for name, t in tensors.items()}  # plain tensors: nothing trains here
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.linears: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # `use_linears`; else F.linear
+
+    LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+    def use_linears(self, make: Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        """Run the encoder layers' projections through `make(weight, bias)`'s modules (the `auto` path
+        gives our kernels' packed linear layers); the float weights they replace are dropped."""
+        for i in range(self.cfg.num_layers):
+            for proj in self.LINEARS:
+                name = f"encoder.layers.{i}.{proj}"
+                self.linears[name] = make(self.w.pop(name + ".weight"), self.w.pop(name + ".bias"))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] float32 pixel values -> [N, patches, hidden] (after the final LayerNorm)."""
@@ -87,6 +98,9 @@ class SiglipVisionTower(nn.Module):
             q = f"encoder.layers.{i}."
 
             def lin(name: str, v: torch.Tensor) -> torch.Tensor:
+                module = self.linears.get(q + name)
+                if module is not None:
+                    return module(v.reshape(-1, v.shape[-1])).float().reshape(*v.shape[:-1], -1)
                 return F.linear(v, w[q + name + ".weight"], w[q + name + ".bias"])
 
             y = self._norm(x, q + "layer_norm1")
