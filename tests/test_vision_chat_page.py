@@ -21,10 +21,8 @@ skdata = pytest.importorskip("skimage.data", reason="pip install scikit-image (a
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    from tiny_vision import make_tiny_gemma3_vision
-    folder = make_tiny_gemma3_vision(tmp_path_factory.mktemp("tiny_gemma3_vision_page"))
-    llm = LLM(folder, dtype="float32", max_model_len=256, max_num_seqs=4)
+def url(tiny_gemma3_vision):
+    llm = LLM(tiny_gemma3_vision, dtype="float32", max_model_len=256, max_num_seqs=4)
     with running_server(build_app(llm, port=free_port())) as base:
         yield base
 

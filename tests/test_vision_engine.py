@@ -17,9 +17,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from tiny_vision import make_tiny_gemma3_vision
-    return make_tiny_gemma3_vision(tmp_path_factory.mktemp("tiny_gemma3_vision_engine"))
+def folder(tiny_gemma3_vision):
+    return tiny_gemma3_vision
 
 
 def photo(name: str):

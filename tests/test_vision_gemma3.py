@@ -16,9 +16,8 @@ skdata = pytest.importorskip("skimage.data", reason="pip install scikit-image (a
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from tiny_vision import make_tiny_gemma3_vision
-    return make_tiny_gemma3_vision(tmp_path_factory.mktemp("tiny_gemma3_vision"))
+def folder(tiny_gemma3_vision):
+    return tiny_gemma3_vision
 
 
 @pytest.fixture(scope="module")

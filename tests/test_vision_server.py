@@ -29,9 +29,8 @@ def png_b64(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from tiny_vision import make_tiny_gemma3_vision
-    return make_tiny_gemma3_vision(tmp_path_factory.mktemp("tiny_gemma3_vision_server"))
+def folder(tiny_gemma3_vision):
+    return tiny_gemma3_vision
 
 
 @pytest.fixture(scope="module")
