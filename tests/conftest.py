@@ -134,3 +134,11 @@ def hello_model(packaged_model, tmp_path_factory: pytest.TempPathFactory) -> Pat
     from hello_model import write_hello_model
 
     return write_hello_model(packaged_model("smollm2"), tmp_path_factory.mktemp("hello") / "hello.gguf")
+
+
+# -- vision (tests/tiny_vision.py) ----------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_gemma3_vision(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of a tiny random-weight Gemma 3 vision model (Gemma3ForConditionalGeneration)."""
+    from tiny_vision import make_tiny_gemma3_vision
+    return make_tiny_gemma3_vision(tmp_path_factory.mktemp("tiny_gemma3_vision"))

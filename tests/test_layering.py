@@ -20,7 +20,7 @@ LAYERS = {
     "formats": 2, "pooling_params": 2,
     "kernels": 3,
     "layers": 4,
-    "models": 5, "kv": 5,
+    "models": 5, "kv": 5, "vision": 5,
     "engine": 6,
     "spec_decode": 7, "parallel": 7, "pooling_requests": 7,
     "llm": 8,

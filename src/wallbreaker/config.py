@@ -408,6 +408,7 @@ class EngineConfig:
     """How the engine runs a model: `LLM(model, **options)` takes these fields, the CLI has a flag for each."""
 
     model: str | os.PathLike | None = None
+    mmproj: str | None = None  # llama.cpp's vision projector GGUF, beside a GGUF text model (llama-server's --mmproj)
     dtype: str = "auto"
     device: str = "cpu"
     kv_cache_dtype: str = "auto"  # "auto" (bfloat16 on the auto path, else the model's dtype) | KV_CACHE_DTYPES

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -70,6 +71,49 @@ def _cache_salt(prompt: PromptType) -> str | None:
     return salt
 
 
+def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
+    """The vision encoder of a model that takes images: a Gemma 3 folder with its vision tower, or a
+    GGUF text model with its `mmproj` file (given, or the one `mmproj*.gguf` beside it); else None."""
+    from .vision.gemma3 import Gemma3Vision, is_gemma3_vision_config
+    if files.format == "hf":
+        if mmproj is not None:
+            raise InvalidRequestError("mmproj goes with a GGUF text model; a Hugging Face folder carries its own "
+                                      "vision tower")
+        return Gemma3Vision.from_folder(files.path, files.tokenizer) \
+            if is_gemma3_vision_config(_config_json(files.path)) else None
+    if mmproj is None:
+        found = sorted(Path(files.path).parent.glob("mmproj*.gguf"))
+        if len(found) != 1 or found[0] == Path(files.path):
+            return None
+        mmproj = found[0]
+    if files.config.architecture != "gemma3":
+        raise InvalidRequestError(f"mmproj: vision is supported for gemma3 text models, not "
+                                  f"{files.config.architecture}")
+    from .vision.mmproj import read_mmproj
+    vision = read_mmproj(mmproj, files.tokenizer)
+    if vision.hidden_size != files.config.hidden_size:
+        raise InvalidRequestError(f"mmproj {mmproj}: its projection gives vectors of {vision.hidden_size}, the text "
+                                  f"model's embeddings are {files.config.hidden_size} wide: not this model's")
+    return vision
+
+
+def _packed_linear(weight: torch.Tensor, bias: torch.Tensor) -> torch.nn.Module:
+    """One of the vision encoder's projections as the `auto` path runs a decoder's: our kernels' packed
+    linear layer (float weights packed to Q8_0 blocks at load, models/source.py)."""
+    from .formats.weights import WeightRef
+    from .models.source import WeightSource
+    refs = {name: WeightRef(name, tuple(t.shape), "F32", t.numel() * 4, lambda t=t: t)
+            for name, t in (("weight", weight), ("bias", bias))}
+    return WeightSource(refs, torch.float32, packed=True).linear(["weight"], ["bias"])
+
+
+def _config_json(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **options: Any):
         start = time.perf_counter()
@@ -94,13 +138,18 @@ class LLM:
         if files.config.is_recurrent and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError("recurrent and hybrid models run without tensor parallelism (not yet)")
         self.states: StatePool | None = None
+        self.vision = _vision_model(files, self.config.mmproj)  # the image encoder and projector, where the model takes images
+        if self.vision is not None and self.config.packed_weights:  # the auto path: the encoder's linears on our kernels
+            self.vision.tower.use_linears(_packed_linear)
+        if self.vision is not None and self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError("vision models run without tensor parallelism (not yet)")
         if self.config.tensor_parallel_size == 1:
             self.model = load_model(files, self.config, device)
             self.states = self._state_pool(files.weight_bytes, device)
             num_blocks = self._num_blocks(max_len, files.weight_bytes)
             max_len = self._fit_context(max_len, num_blocks * bs)
             self.kv_cache = make_kv_cache(files.config, self.config, num_blocks, device)
-            runner = ModelRunner(self.model, self.kv_cache, device, vocab_limit, self.states)
+            runner = ModelRunner(self.model, self.kv_cache, device, vocab_limit, self.states, self.vision)
         else:
             num_blocks = self._num_blocks(max_len, files.weight_bytes)
             max_len = self._fit_context(max_len, num_blocks * bs)
@@ -266,16 +315,41 @@ class LLM:
             return None, list(prompt)
         raise InvalidRequestError("a prompt is a string, a list of token ids, or {'prompt_token_ids': [...]}")
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model reads images (a vision encoder came with it)."""
+        return self.vision is not None
+
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     add_generation_prompt: bool = True,
                     chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """The conversation through the chat template (which receives `tools`, OpenAI's shape, and the
-        `chat_template_kwargs` as variables, e.g. `enable_thinking`), tokenized."""
+        `chat_template_kwargs` as variables, e.g. `enable_thinking`), tokenized. Text without images;
+        `encode_chat_images` takes them."""
+        text, ids, images = self.encode_chat_images(messages, tools, add_generation_prompt, chat_template_kwargs)
+        if images:
+            raise InvalidRequestError("this conversation has images: use encode_chat_images", param="messages")
+        return text, ids
+
+    def encode_chat_images(self, messages: list[dict], tools: list[dict] | None = None,
+                           add_generation_prompt: bool = True,
+                           chat_template_kwargs: dict | None = None) -> tuple[str, list[int], list]:
+        """`encode_chat`, and the conversation's images (vision.inputs.ImageInput, by the positions of
+        their soft tokens). Content may be a list of OpenAI-style parts: text, and for a model that
+        takes images, `image_url` (a data URL) or `image` (a PIL image, bytes or a data URL)."""
+        from .vision.prompt import chat_prompt, has_images, has_parts, joined_text_parts
+        if self.vision is not None and has_parts(messages):
+            return chat_prompt(self.vision, self.chat_template, self.tokenizer, messages, add_generation_prompt,
+                               tools=tools, **(chat_template_kwargs or {}))
+        if has_images(messages):
+            raise InvalidRequestError("this model does not take images (it has no vision encoder); send text only",
+                                      param="messages")
+        messages = joined_text_parts(messages)
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          **(chat_template_kwargs or {}))
         bos = self.tokenizer.bos_token
         add_special = not (bos and text.startswith(bos))
-        return text, self.tokenizer.encode(text, add_special_tokens=add_special)
+        return text, self.tokenizer.encode(text, add_special_tokens=add_special), []
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Seq[PromptType],
@@ -290,19 +364,24 @@ class LLM:
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """`chat_template_kwargs`: variables for the template, e.g. {"enable_thinking": False} (vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([(*self.encode_chat(c, tools, chat_template_kwargs=chat_template_kwargs), None)
-                          for c in conversations], sampling_params, use_tqdm)
+        encoded = []
+        for c in conversations:
+            text, ids, images = self.encode_chat_images(c, tools, chat_template_kwargs=chat_template_kwargs)
+            encoded.append((text, ids, None, images))
+        return self._run(encoded, sampling_params, use_tqdm)
 
-    def _run(self, encoded: list[tuple[str | None, list[int], str | None]], sampling_params,
-             use_tqdm: bool, saved_prefix: bool = False) -> list[RequestOutput]:
+    def _run(self, encoded: list[tuple], sampling_params, use_tqdm: bool,
+             saved_prefix: bool = False) -> list[RequestOutput]:
+        """`encoded`: (text, token ids, cache salt[, images]) of each prompt."""
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(params_list) != len(encoded):
             raise InvalidRequestError("give one SamplingParams, or one per prompt")
         ids = []
         try:
-            for (text, token_ids, salt), p in zip(encoded, params_list):
+            for (text, token_ids, salt, *images), p in zip(encoded, params_list):
                 ids.append(self.engine.add_request(EngineRequest(token_ids, p, text, cache_salt=salt,
+                                                                 images=tuple(images[0]) if images else (),
                                                                  saved_prefix=saved_prefix)))
         except Exception:
             for rid in ids:
@@ -333,11 +412,12 @@ class LLM:
         yield from self._stream(text, token_ids, sampling_params or SamplingParams(), _cache_salt(prompt))
 
     def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        text, token_ids = self.encode_chat(messages)
-        yield from self._stream(text, token_ids, sampling_params or SamplingParams())
+        text, token_ids, images = self.encode_chat_images(messages)
+        yield from self._stream(text, token_ids, sampling_params or SamplingParams(), images=images)
 
-    def _stream(self, text, token_ids, params, cache_salt: str | None = None) -> Iterator[StreamDelta]:
-        rid = self.engine.add_request(EngineRequest(token_ids, params, text, cache_salt=cache_salt))
+    def _stream(self, text, token_ids, params, cache_salt: str | None = None, images=()) -> Iterator[StreamDelta]:
+        rid = self.engine.add_request(EngineRequest(token_ids, params, text, cache_salt=cache_salt,
+                                                    images=tuple(images)))
         try:
             while True:
                 result = self.engine.step()
@@ -363,10 +443,12 @@ class LLM:
         return beam_search(self.engine, [self.encode(p)[1] for p in as_prompt_list(prompts)], beam_width, max_tokens,
                            length_penalty, ignore_eos, structured_outputs)
 
-    def logits(self, prompt: PromptType, chunk_size: int | None = None) -> torch.Tensor:
-        """Float32 logits [tokens, vocab] of every position of a prompt (row i predicts token i + 1)."""
+    def logits(self, prompt: PromptType, chunk_size: int | None = None, images=()) -> torch.Tensor:
+        """Float32 logits [tokens, vocab] of every position of a prompt (row i predicts token i + 1);
+        `images`: the prompt's (`encode_chat_images`)."""
         from .engine.scoring import prompt_logits
-        return prompt_logits(self.engine, self.encode(prompt)[1], chunk_size)
+        token_ids = self.encode(prompt)[1]
+        return prompt_logits(self.engine, token_ids, chunk_size, self.engine.check_images(images, token_ids))
 
     def stats(self) -> dict:
         """The engine's counts, and memory: the weights (`weight_bytes_mapped` of them read from file

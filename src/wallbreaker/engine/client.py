@@ -33,6 +33,7 @@ class EngineRequest:
     # computed to be saved as a session (the prefix of longer prompts to come): its prompt takes the
     # prefill path however short (batch-invariant mode, layers/linear.py SHORT_PROMPT)
     saved_prefix: bool = False
+    images: tuple = ()  # vision.inputs.ImageInput of each image, by the positions of its soft tokens
 
 
 @dataclass

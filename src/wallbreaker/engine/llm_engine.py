@@ -58,6 +58,7 @@ class Request:
     failure: StepFailure | None = None
     pooled: torch.Tensor | None = None  # a pooling request's vector, once computed
     saved_prefix: bool = False  # EngineRequest.saved_prefix
+    images: tuple = ()  # vision.inputs.ImageInput of the prompt's images
 
     @property
     def finished(self) -> bool:
@@ -127,10 +128,11 @@ class LLMEngine:
         if spec is not None and (grammar is None or grammar.key != spec.key):
             grammar = self.structured.compile(spec)
         prompt_ids = list(request.prompt_token_ids)
+        images = self.check_images(request.images, prompt_ids)
         state = Request(request_id, request.prompt, prompt_ids, params, salt, grammar if spec is not None else None,
                         self.structured.bad_words_ids(params.bad_words),
                         self.dry_breakers.ids(params.dry_sequence_breakers) if params.uses_dry else frozenset(),
-                        saved_prefix=request.saved_prefix)
+                        images=images, saved_prefix=request.saved_prefix)
         seq = self._new_sequence(state, 0, list(prompt_ids),
                                  state.grammar.matcher() if state.grammar is not None else None, params.n - 1)
         self._requests[request_id] = state
@@ -201,6 +203,21 @@ class LLMEngine:
                                       param="max_tokens")
         self.check_token_ids(token_ids)
 
+    def check_images(self, images, token_ids: list[int]) -> tuple:
+        """The request's images, checked: a model that takes them, and each image's soft tokens
+        within the prompt, in order, apart."""
+        images = tuple(images or ())
+        if not images:
+            return images
+        if self.runner.vision is None:
+            raise InvalidRequestError("this model does not take images (it has no vision encoder)", param="messages")
+        last = 0
+        for image in images:
+            if not last <= image.offset < image.end <= len(token_ids) - 1:
+                raise InvalidRequestError("an image's tokens must lie within the prompt, in order", param="messages")
+            last = image.end
+        return images
+
     def check_token_ids(self, token_ids: list[int]) -> None:
         limit = self.vocab_limit
         for t in token_ids:
@@ -227,7 +244,9 @@ class LLMEngine:
                        params, detok, generator, stop_token_ids=stops, cache_salt=request.cache_salt,
                        arrival_time=request.arrival_time, pending_fork=pending_fork, grammar=grammar,
                        bad_words_ids=request.bad_words_ids, dry_breaker_ids=request.dry_breaker_ids,
-                       prefill_path=len(request.prompt_token_ids) > SHORT_PROMPT or request.saved_prefix)
+                       images=request.images,
+                       prefill_path=len(request.prompt_token_ids) > SHORT_PROMPT or request.saved_prefix
+                       or bool(request.images))
         request.seqs.append(seq)
         return seq
 
@@ -423,6 +442,8 @@ class LLMEngine:
             accepted = sum(s.spec_accepted for s in seqs)
             metrics.update(spec_proposed_tokens=proposed, spec_accepted_tokens=accepted,
                            spec_acceptance_rate=accepted / proposed)
+        if request.images:
+            metrics.update(num_images=len(request.images), image_encode_s=sum(s.encoder_time_s for s in seqs))
         if first is not None:
             metrics["ttft_s"] = first - request.arrival_time
         if first is not None and last is not None:

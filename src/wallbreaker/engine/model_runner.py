@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import sys
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,8 @@ from ..models.base import CausalLM
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
+ENCODER_CACHE_SIZE = 32  # images whose encoder outputs the runner keeps (Gemma 3 4B: 2.6 MB each)
+
 
 @dataclass
 class StepInputs:
@@ -24,17 +28,26 @@ class StepInputs:
     meta: AttentionMetadata  # with positions
     copies: list[tuple[int, int]]  # KV blocks to copy (src, dst) first: copy-on-write of forked tails
     logit_rows: torch.Tensor | None  # rows of the hidden states that need logits; None: all of them
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, vectors) in place of token embeddings: images
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, vocab_limit: int | None = None,
-                 states: StatePool | None = None):
+                 states: StatePool | None = None, vision: torch.nn.Module | None = None,
+                 encoder_cache_size: int = ENCODER_CACHE_SIZE):
         """`vocab_limit`: token ids at or past it never come out of a step, because an embedding
         padded past the tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens) has rows that no text
         stands for. None: the model's vocabulary (a tensor-parallel worker, which never samples).
         `states`: the recurrent layers' state pool, where the model has any."""
         self.model = model
         self.kv_cache = kv_cache
+        # the vision encoder and projector (vision/), where the model takes images; its outputs by the
+        # image's pixel digest, the most recently used kept: an image is encoded once, however its
+        # prompt is chunked, and again only when it has been evicted
+        self.vision = vision
+        self.encoder_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.encoder_cache_size = encoder_cache_size
+        self.encoder_stats = {"images_encoded": 0, "encoder_cache_hits": 0, "encoder_time_s": 0.0}
         self.states = states
         self.block_size = kv_cache.block_size
         self.device = device
@@ -80,15 +93,24 @@ class ModelRunner:
         tables, query_start, context_lens, prefills = [], [0], [], []
         rows_of: dict[int, list[tuple[int, int]]] = {}  # batch index -> (first position, its row) of each piece
         state_spans: list[StateSpan] = []
+        embed_rows: list[int] = []
+        embed_values: list[torch.Tensor] = []
         for j, start, end, paged in pieces:
             seq, n = batch.seqs[j], end - start
             rows_of.setdefault(j, []).append((start, len(input_ids)))
+            images = [im for im in seq.images if im.offset < end and im.end > start]
+            for im in images:  # its soft tokens' rows take the encoder's vectors
+                lo, hi = max(start, im.offset), min(end, im.end)
+                embed_rows += range(len(input_ids) + lo - start, len(input_ids) + hi - start)
+                embed_values.append(self._image_embeds(seq, im)[lo - im.offset:hi - im.offset])
             if paged and not prefills:  # (in batch order, for all_logits, the paged run ends at the first span)
+                assert not images, "a piece with image tokens goes to a prefill span (its mask is not causal)"
                 tables.append(seq.block_table)
                 query_start.append(query_start[-1] + n)
                 context_lens.append(end)
             else:
-                prefills.append(PrefillSpan(len(input_ids), n, end, torch.tensor(seq.block_table, device=self.device)))
+                prefills.append(PrefillSpan(len(input_ids), n, end, torch.tensor(seq.block_table, device=self.device),
+                                            tuple((im.offset, im.end) for im in images)))
             if self.states is not None:
                 state_spans.append(StateSpan(len(input_ids), n, seq.state_slot, list(seq.state_saves)))
             input_ids += seq.tokens_to_compute(start, end)
@@ -133,7 +155,10 @@ class ModelRunner:
             rows = None if batch_rows == list(range(len(batch_rows))) else torch.tensor(batch_rows, device=self.device)
         else:
             rows = torch.tensor(sampling_rows, dtype=torch.long, device=self.device)
-        step = StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows)
+        embeds = None
+        if embed_rows:
+            embeds = (torch.tensor(embed_rows, dtype=torch.long, device=self.device), torch.cat(embed_values))
+        step = StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows, embeds)
         pooled: list[torch.Tensor] = []
         if pooling_seqs:
             hidden = self._hidden(step)
@@ -160,8 +185,9 @@ class ModelRunner:
                 cut = end if seq.pooling else min(max(start, seq.num_prefill_path_tokens), end)
                 pieces += [(j, start, cut, False)] if cut > start else []
                 pieces += [(j, cut, end, True)] if end > cut else []
-            else:
-                pieces.append((j, start, end, n <= self.max_paged_queries))
+            else:  # a piece with image tokens is a prefill span: only there is attention other than causal
+                images = any(im.offset < end and im.end > start for im in seq.images)
+                pieces.append((j, start, end, n <= self.max_paged_queries and not images))
         if not all_logits or self.split_by_origin:  # stable: batch order within each kind
             pieces.sort(key=lambda piece: not piece[3])
         return pieces
@@ -173,7 +199,31 @@ class ModelRunner:
 
     def _hidden(self, step: StepInputs) -> torch.Tensor:
         self.kv_cache.copy_blocks(step.copies)
+        if step.embeds is not None:
+            return self.model(step.input_ids, step.meta, embeds=step.embeds)
         return self.model(step.input_ids, step.meta)
+
+    def _image_embeds(self, seq: Sequence, image) -> torch.Tensor:
+        """[soft tokens, hidden] of one image: from the encoder cache, or encoded now (the time is
+        the sequence's `encoder_time_s`)."""
+        cached = self.encoder_cache.get(image.digest)
+        if cached is not None:
+            self.encoder_cache.move_to_end(image.digest)
+            self.encoder_stats["encoder_cache_hits"] += 1
+            return cached
+        if self.vision is None:
+            raise RuntimeError("a sequence with images reached a model without a vision encoder")
+        start = time.perf_counter()
+        out = self.vision(image.pixels[None].to(self.device))[0]
+        assert out.shape[0] == image.length, f"the encoder gave {out.shape[0]} vectors for {image.length} tokens"
+        elapsed = time.perf_counter() - start
+        seq.encoder_time_s += elapsed
+        self.encoder_stats["images_encoded"] += 1
+        self.encoder_stats["encoder_time_s"] += elapsed
+        self.encoder_cache[image.digest] = out
+        while len(self.encoder_cache) > self.encoder_cache_size:
+            self.encoder_cache.popitem(last=False)
+        return out
 
     def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
         if step.logit_rows is None:

@@ -99,7 +99,7 @@ class Scheduler:
                 seq.drop_drafts(keep=max(0, seq.num_draft - (n - budget)))
                 n = seq.num_tokens_with_spec - seq.num_computed_tokens
             if not seq.pooling:
-                n = min(n, budget)
+                n = seq.fit_chunk(seq.num_computed_tokens, min(n, budget))
             if seq.num_draft and not self.block_manager.can_append(seq, n):  # drafts never cost a preemption
                 n -= seq.num_draft
                 seq.drop_drafts()
@@ -163,6 +163,9 @@ class Scheduler:
             n = seq.num_tokens - seq.num_computed_tokens
             if max_new_tokens is not None:
                 n = min(n, max_new_tokens)
+            fit = getattr(seq, "fit_chunk", None)  # never part of an image's block (allocate_prompt fits its own)
+            if fit is not None and seq.block_table:
+                n = fit(seq.num_computed_tokens, n)
             if not seq.block_table:
                 n = bm.allocate_prompt(seq, n, reuse_prefix)
                 if n:

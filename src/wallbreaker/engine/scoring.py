@@ -12,15 +12,17 @@ from .scheduler import StepOutput
 from .sequence import Sequence
 
 
-def prompt_logits(engine: LLMEngine, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
-    """[len(token_ids), vocab] float32 logits; row i predicts token i + 1."""
+def prompt_logits(engine: LLMEngine, token_ids: list[int], chunk_size: int | None = None,
+                  images: tuple = ()) -> torch.Tensor:
+    """[len(token_ids), vocab] float32 logits; row i predicts token i + 1. `images`: the prompt's
+    (a chunk never splits one: `Sequence.fit_chunk`)."""
     if not token_ids:
         raise InvalidRequestError("nothing to score")
     if len(token_ids) > engine.max_model_len:
         raise InvalidRequestError(f"{len(token_ids)} tokens exceed max_model_len {engine.max_model_len}")
     scheduler = engine.scheduler
     chunk = chunk_size or scheduler.max_num_batched_tokens
-    seq = Sequence(-1, "score", 0, list(token_ids), len(token_ids), SamplingParams(), None)
+    seq = Sequence(-1, "score", 0, list(token_ids), len(token_ids), SamplingParams(), None, images=tuple(images))
     rows = []
     try:
         while seq.num_computed_tokens < len(token_ids):

@@ -21,6 +21,7 @@ from .detokenizer import IncrementalDetokenizer
 from .outputs import StreamDelta
 
 if TYPE_CHECKING:
+    from ..vision.inputs import ImageInput
     from .structured_output import GrammarMatcher
 
 
@@ -80,6 +81,16 @@ class Sequence:
     state_slot: int = 0
     state_saves: list[tuple[int, int]] = field(default_factory=list)
     state_checkpoint_at: int = 0  # the token count whose state this step keeps for the prefix cache (0: none)
+    images: tuple["ImageInput", ...] = ()  # the prompt's images, by the positions of their soft tokens
+    encoder_time_s: float = 0.0  # spent in the vision encoder on this sequence's images
+
+    def fit_chunk(self, start: int, num_new: int) -> int:
+        """The tokens from `start` a step may compute, given at most `num_new`: never part of an image's
+        block, whose tokens attend to each other both ways (vision/inputs.py `fit_chunk`)."""
+        if not self.images:
+            return num_new
+        from ..vision.inputs import fit_chunk
+        return fit_chunk(self.images, start, num_new)
 
     @property
     def num_tokens(self) -> int:

@@ -115,7 +115,9 @@ def _checked_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message.get("role"), str):
             raise InvalidRequestError(f"messages[{n}].role must be a string")
         content = message.get("content")
-        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+        parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                                  for p in content)  # a vision model's text and image parts
+        if not isinstance(content, str) and not parts and not (content is None and message.get("tool_calls")):
             raise InvalidRequestError(f"messages[{n}].content must be a string")
         checked.append({k: v for k, v in message.items() if v is not None})
     return checked

@@ -14,6 +14,7 @@ from ..config import MAMBA2_ARCHITECTURES, ROPE_TYPES, ConfigError, ModelConfig,
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
 from . import qwen3_next, qwen3_next_weights
+from .multimodal import is_multimodal, text_tensor_name
 from .lfm2 import hf_config_keys as lfm2_config_keys, squeeze_conv_weights
 from .names import GEMMA_ARCHITECTURES, adds_one, hf_expert, hf_to_canonical_table, is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
@@ -38,6 +39,7 @@ def read_hf_folder(path: Path) -> ModelFiles:
         raise ModelFormatError(f"{cfg_path}: unreadable config.json: {e}") from None
     if not isinstance(hf, dict):
         raise ModelFormatError(f"{cfg_path}: config.json is not a JSON object")
+    multimodal = is_multimodal(hf)  # its decoder read here, its vision side by wallbreaker.vision
     if hf.get("model_type") == "gemma3" and "text_config" in hf:
         if not isinstance(hf["text_config"], dict):
             raise ModelFormatError(f"{cfg_path}: text_config is not a JSON object")
@@ -50,7 +52,7 @@ def read_hf_folder(path: Path) -> ModelFiles:
         raise ModelFormatError(f"{cfg_path}: num_hidden_layers is {config.num_layers} but the folder has only "
                                f"{n_tensors} tensors")
     quantized = is_quantized_folder(hf)
-    weights = _safetensors_weights(path, config, handles, quantized)
+    weights = _safetensors_weights(path, config, handles, quantized, multimodal)
     if quantized:
         weights.update(read_quantized_weights(path, config, hf["quantization_config"]))
     split_fused(str(path), config, weights)
@@ -337,7 +339,7 @@ def _safetensors_handles(path: Path) -> list[tuple[Path, Any, list[str]]]:
 
 
 def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path, Any, list[str]]],
-                         quantized: bool = False) -> dict[str, WeightRef]:
+                         quantized: bool = False, multimodal: bool = False) -> dict[str, WeightRef]:
     """Canonical WeightRefs of the folder's tensors. A tensor no table entry names is refused
     (the quantized parts of a wallbreaker-quantized folder are read by quantized_hf)."""
     if cfg.architecture in MAMBA2_ARCHITECTURES:
@@ -348,7 +350,10 @@ def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path,
     experts: dict[str, dict[int, WeightRef]] = {}
     for file, handle, names in handles:
         for hf_name in names:
-            name = table.get(hf_name)
+            text_name = text_tensor_name(hf_name) if multimodal else hf_name
+            if text_name is None:
+                continue
+            name = table.get(text_name)
             expert = hf_expert(cfg.architecture, hf_name) if name is None and cfg.is_moe else None
             if name is None and expert is None:
                 if is_derived(hf_name) or qwen3_next.is_mtp(cfg.architecture, hf_name) or (

@@ -62,16 +62,25 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def prompt_blocks(self, token_ids: list[int], cache_salt: str | None, num_tokens: int | None = None,
-                      num_prompt_tokens: int | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+                      num_prompt_tokens: int | None = None, images: tuple = ()) -> Iterator[tuple[bytes, tuple[int, ...]]]:
         """(chained hash, tokens) of each full block of the first `num_tokens` tokens (default: all
         but the last, whose logits are needed, so at least it is computed again), of which the first
-        `num_prompt_tokens` were the prompt (default: all)."""
+        `num_prompt_tokens` were the prompt (default: all). `images`: the prompt's images (their
+        `offset`, `end` and pixel `digest`), which key the blocks holding their soft tokens."""
         end = len(token_ids) - 1 if num_tokens is None else num_tokens
         parent = salt_digest(cache_salt)
         for i in range(end // self.block_size):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            parent = hash_block(parent, tokens, self._prompt_in(i, num_prompt_tokens))
+            parent = hash_block(parent, tokens, self._prompt_in(i, num_prompt_tokens), self._images_in(i, images))
             yield parent, tokens
+
+    def _images_in(self, block: int, images: tuple) -> bytes:
+        """What keys the `block`-th block besides its tokens: the pixel digest of each image whose soft
+        tokens it holds, and where the image starts relative to the block. An image's placeholder
+        tokens are the same for every image; its pixels are not."""
+        lo, hi = block * self.block_size, (block + 1) * self.block_size
+        return b"".join(image.digest + (image.offset - lo).to_bytes(8, "little", signed=True)
+                        for image in images if image.offset < hi and image.end > lo)
 
     def _num_prompt(self, seq: PagedSequence) -> int | None:
         """Its tokens computed as prompt (on the prefill path), for its blocks' keys."""
@@ -87,7 +96,8 @@ class BlockManager:
         """Cached full blocks matching the start of `seq` in RAM. The last token is never covered."""
         blocks: list[Block] = []
         for block_hash, tokens in self.prompt_blocks(seq.token_ids, seq.cache_salt,
-                                                     num_prompt_tokens=self._num_prompt(seq)):
+                                                     num_prompt_tokens=self._num_prompt(seq),
+                                                     images=getattr(seq, "images", ())):
             block = self.pool.lookup(block_hash, tokens)
             if block is None:
                 break
@@ -99,7 +109,8 @@ class BlockManager:
         the pool has room; each taken (ref_count 1) and registered in the RAM cache."""
         loaded: list[Block] = []
         for i, (block_hash, tokens) in enumerate(self.prompt_blocks(seq.token_ids, seq.cache_salt,
-                                                                    num_prompt_tokens=self._num_prompt(seq))):
+                                                                    num_prompt_tokens=self._num_prompt(seq),
+                                                                    images=getattr(seq, "images", ()))):
             if i < start:
                 continue
             if self.pool.num_free <= 1:
@@ -129,6 +140,9 @@ class BlockManager:
             self.states.retain(state)  # held first, so that the fit below does not count it as free
         computed = len(hits) * self.block_size
         num_new = min(len(seq.token_ids) - computed, max_new_tokens)
+        fit = getattr(seq, "fit_chunk", None)  # a prompt with images: never part of an image's block
+        if fit is not None:
+            num_new = fit(computed, num_new)
         if (self.blocks_needed(computed + num_new) - len(hits) > self.pool.num_free
                 or not self._states_fit(seq, computed, num_new)):
             for block in reversed(hits):
@@ -240,7 +254,8 @@ class BlockManager:
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             parent = seq.block_hashes[-1] if seq.block_hashes else salt_digest(seq.cache_salt)
-            block_hash = hash_block(parent, tokens, self._prompt_in(i, self._num_prompt(seq)))
+            block_hash = hash_block(parent, tokens, self._prompt_in(i, self._num_prompt(seq)),
+                                    self._images_in(i, getattr(seq, "images", ())))
             seq.block_hashes.append(block_hash)
             block = self.pool.blocks[seq.block_table[i]]
             if self.pool.register(block, block_hash, tokens) and self.disk is not None:

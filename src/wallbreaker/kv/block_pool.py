@@ -21,7 +21,8 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens behind `hash`, to verify a hit
 
 
-def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], prompt_tokens: int | None = None) -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], prompt_tokens: int | None = None,
+               extra: bytes = b"") -> bytes:
     """SHA-256 over the parent block's digest and this block's tokens: a block's key covers every
     token before it, so equal keys mean equal prefixes. A collision-resistant digest, not Python's
     `hash`, so that no prompt can be crafted to land on another request's blocks (the construction
@@ -30,11 +31,16 @@ def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], prompt_tok
     `prompt_tokens`: how many of the block's tokens were prompt tokens, where fewer than all (a block
     holding generated tokens). In batch-invariant mode a prompt token's K/V come from the prefill path
     and a generated token's from the decode path (layers/linear.py), so a block of generated tokens
-    must not serve a prompt made of the same tokens, nor the other way round."""
+    must not serve a prompt made of the same tokens, nor the other way round.
+
+    `extra`: what else the block's K/V depend on (the pixel digests of the images whose placeholder
+    tokens it holds: kv/block_manager.py `_images_in`)."""
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(array("q", token_ids).tobytes())
     if prompt_tokens is not None and prompt_tokens < len(token_ids):
         digest.update(b"prompt tokens:%d" % prompt_tokens)
+    if extra:
+        digest.update(b"images:" + extra)
     return digest.digest()
 
 

@@ -53,6 +53,9 @@ class PrefillSpan:
     length: int  # tokens computed this step
     context_len: int  # tokens in the cache after this step (cached prefix + this chunk)
     block_table: torch.Tensor  # [num_blocks] physical block ids
+    # [start, end) positions of image blocks among this span's queries: their tokens attend to each
+    # other both ways (Gemma 3's images), the rest of the attention stays causal
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -138,12 +141,13 @@ def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_siz
         shift = (q * _per_query_head(kv.k_offset, heads)).sum(-1).T[None, :, :, None]
     q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
     fresh = span.context_len == span.length
-    if softcap is None and fresh and (sliding_window is None or span.context_len <= sliding_window):
+    if softcap is None and fresh and not span.bidirectional and (sliding_window is None
+                                                                 or span.context_len <= sliding_window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(span.context_len - span.length, span.context_len, device=q.device)[:, None]
         key_pos = torch.arange(span.context_len, device=q.device)[None, :]
-        mask = key_pos <= query_pos  # [L, ctx]
+        mask = _causal(query_pos, key_pos, span.bidirectional)  # [L, ctx]
         if sliding_window is not None:
             mask &= (query_pos - key_pos) < sliding_window
         if softcap is None:
@@ -170,16 +174,18 @@ def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window,
     q = F.pad(q.transpose(0, 1).to(k.dtype), (0, 0, 0, rows - length))[None]  # [1, heads, rows, head_dim]
     query_pos = torch.arange(ctx - length, ctx - length + rows, device=q.device).clamp(max=ctx - 1)[:, None]
     key_pos = torch.arange(keys, device=q.device)[None, :]
-    mask = key_pos <= query_pos  # [rows, keys]
+    mask = _causal(query_pos, key_pos, span.bidirectional)  # [rows, keys]
     if sliding_window is not None:
         mask &= (query_pos - key_pos) < sliding_window
     parts = []
     for r in range(0, rows, INVARIANT_QUERIES):
         sub = slice(r, r + INVARIANT_QUERIES)
         if softcap is None:
-            # SDPA over the key blocks up to the call's last query: the blocks past it are wholly
-            # masked, so leaving them out changes no bits (as a shorter cached context does)
-            reach = min(-(-(ctx - length + r + INVARIANT_QUERIES) // INVARIANT_KEYS) * INVARIANT_KEYS, keys)
+            # SDPA over the key blocks up to the last key the call's queries see (its last query's, or
+            # an image's end): the blocks past it are wholly masked, so leaving them out changes no
+            # bits (as a shorter cached context does)
+            seen = int(mask[sub].any(0).nonzero()[-1]) + 1
+            reach = -(-seen // INVARIANT_KEYS) * INVARIANT_KEYS
             with _sdpa_backend():
                 parts.append(F.scaled_dot_product_attention(q[:, :, sub], k[:, :, :reach], v[:, :, :reach],
                                                             attn_mask=mask[sub, :reach], scale=scale, enable_gqa=True))
@@ -188,6 +194,16 @@ def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window,
                                      None if shift is None else shift[:, :, sub]))
     out = torch.cat(parts, dim=2)[0, :, :length].transpose(0, 1)
     return out if kv.v_offset is None else out.float() + _per_query_head(kv.v_offset, heads)
+
+
+def _causal(query_pos: torch.Tensor, key_pos: torch.Tensor, blocks: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """[L, 1] and [1, K] positions -> [L, K]: each query sees the keys up to its own position, and
+    within a bidirectional block all of the block (transformers' causal mask OR'd with its
+    `blockwise_overlay`; a sliding window then cuts both, as in its `create_masks_for_vision_model`)."""
+    mask = key_pos <= query_pos
+    for start, end in blocks:
+        mask |= (query_pos >= start) & (query_pos < end) & (key_pos >= start) & (key_pos < end)
+    return mask
 
 
 _math_sdpa: bool | None = None

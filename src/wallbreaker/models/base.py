@@ -74,8 +74,13 @@ class CausalLM(nn.Module):
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         return h
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`embeds`: (rows [R], vectors [R, hidden]) that take the place of those rows' token
+        embeddings (an image's soft tokens: its encoder's output, unscaled)."""
         h = self.embed_tokens(input_ids)
+        if embeds is not None:
+            h[embeds[0]] = embeds[1].to(h.dtype)
         planned = self.decoder_plan.run(h, meta)
         if planned is not None:
             return self.norm.add_and_norm(*planned)

@@ -37,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from ..engine.client import RequestOutput
 from .error_shapes import anthropic_error
 from .errors import APIError, bad_request, parse_body
-from .prompts import chat_prompt
+from .prompts import chat_prompt_images
 from .responses import cached_tokens
 from .protocol import ChatCompletionRequest
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
@@ -94,9 +94,12 @@ class ToolReferenceBlock(_Block):
 
 
 class MediaBlock(_Block):
-    """An image or a document: refused when the request is translated (this server reads text)."""
+    """An image or a document. An image in a user turn becomes an image part of the chat message
+    (its base64 source a data URL; a model without a vision encoder answers 400); a document, or an
+    image anywhere else, is refused when the request is translated."""
 
     type: Literal["image", "document"]
+    source: dict | None = None
 
 
 class OtherBlock(_Block):
@@ -245,6 +248,8 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
         blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) \
             else message.content
         for b in blocks:
+            if isinstance(b, MediaBlock) and b.type == "image" and message.role == "user":
+                continue  # an image part, below
             if isinstance(b, (MediaBlock, OtherBlock)):
                 _refuse_or_skip(b)
         if message.role == "system":
@@ -259,11 +264,11 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
                 raise bad_request("tool_result blocks belong in a user message", param="messages")
             out.append({"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})})
             continue
-        text: list[str] = []
+        text: list = []  # strings, and image parts where the turn has images
         for b in blocks:
             if isinstance(b, ToolResultBlock):
                 if text:
-                    out.append({"role": "user", "content": "".join(text)})
+                    out.append({"role": "user", "content": _user_content(text)})
                     text = []
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                             "content": _result_text(b.content, deferred)})
@@ -271,12 +276,36 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
                 raise bad_request("tool_use blocks belong in an assistant message", param="messages")
             elif isinstance(b, TextBlock):
                 text.append(b.text)
+            elif isinstance(b, MediaBlock):
+                text.append(_image_part(b))
         if text:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": _user_content(text)})
     if body.messages and body.messages[-1].role == "assistant":
         raise bad_request("the last message is the assistant's: continuing a prefilled answer is not supported",
                           param="messages")
     return out
+
+
+def _image_part(block: MediaBlock) -> dict:
+    """An image block as an OpenAI image part: a base64 source as a data URL (a `url` source is
+    passed on, and refused where images are read: this server fetches nothing)."""
+    source = block.source or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type") if isinstance(source.get("media_type"), str) else "image/png"
+        url = f"data:{media};base64,{source['data']}"
+    elif source.get("type") == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise bad_request("an image block's source must be {\"type\": \"base64\", \"media_type\": ..., "
+                          "\"data\": ...}", param="messages")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_content(pieces: list) -> str | list[dict]:
+    """A user turn's text (joined), or its parts in order where it has an image."""
+    if all(isinstance(p, str) for p in pieces):
+        return "".join(pieces)
+    return [p if isinstance(p, dict) else {"type": "text", "text": p} for p in pieces]
 
 
 def _function(tool: ToolDefinition) -> dict:
@@ -483,7 +512,7 @@ async def count_tokens(request: Request) -> Response:
     raw = await parse_body(request, CountTokensRequest)
     body = chat_request({"model": raw.model, "messages": chat_messages(raw), **_tool_fields(raw)})
     plan = plan_tools(body, state.llm.chat_template)
-    _, ids = await run_in_threadpool(chat_prompt, state, body.messages, plan)
+    _, ids, _ = await run_in_threadpool(chat_prompt_images, state, body.messages, plan)
     return Response(json.dumps({"input_tokens": len(ids)}), media_type="application/json")
 
 

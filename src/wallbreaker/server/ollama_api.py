@@ -141,12 +141,26 @@ def sampling_fields(body: _Generation) -> dict[str, Any]:
     return fields
 
 
+def image_content(text: str, images: list, param: str) -> list[dict]:
+    """Ollama's base64 `images` and the text as chat content parts: the images first, then the text
+    (a model without a vision encoder answers 400 where the parts are read)."""
+    parts = []
+    for k, image in enumerate(images):
+        if not isinstance(image, str):
+            raise bad_request(f"{param}[{k}] must be a base64 string", param=param)
+        parts.append({"type": "image_url", "image_url": {"url": image if image.startswith("data:")
+                                                         else "data:image/*;base64," + image}})
+    return parts + ([{"type": "text", "text": text}] if text else [])
+
+
 def chat_messages(messages: list[OllamaMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
-        if m.images:
-            raise bad_request("images are not supported (this server serves text models)", param=f"messages.{i}.images")
+        if m.images and m.role != "user":
+            raise bad_request("images belong in a user message", param=f"messages.{i}.images")
         message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.images:
+            message["content"] = image_content(m.content or "", m.images, f"messages.{i}.images")
         if m.tool_calls:
             message["tool_calls"] = [
                 {"id": f"call_{i}_{j}", "type": "function",
@@ -301,10 +315,11 @@ async def generate(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await parse_body(request, GenerateRequest)
     for field, why in (("template", "Go templates (the model's own chat template is used)"),
-                       ("context", "the deprecated context tokens (send the conversation to /api/chat)"),
-                       ("images", "images (this server serves text models)")):
+                       ("context", "the deprecated context tokens (send the conversation to /api/chat)")):
         if getattr(body, field):
             raise bad_request(f"{field} is not supported: no {why}", param=field)
+    if body.images and (body.raw or body.suffix):
+        raise bad_request("images are read in the chat template's prompt, not with raw or suffix", param="images")
     name = body.model
     if not body.prompt:
         return _loaded(name, True, body.keep_alive)
@@ -322,8 +337,9 @@ async def generate(request: Request) -> Response:
         output = next(iter(outputs.values()))
         thinking = None
     else:
+        user = image_content(body.prompt, body.images, "images") if body.images else body.prompt
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-            [{"role": "user", "content": body.prompt}]
+            [{"role": "user", "content": user}]
         with renamed_params({**PARAMS, "messages": "prompt"}):
             run = await start_chat(chat_request({"messages": messages, "stream": stream, **sampling_fields(body)}),
                                    request, state, prefix="ollama")

@@ -89,4 +89,5 @@ def show_body(state: ServerState) -> dict:
     entry = model_entry(state)
     return {"license": "", "modelfile": f"# served by wallbreaker\nFROM {llm.model_path}\n", "parameters": "",
             "template": llm.chat_template.source, "details": entry["details"], "model_info": info,
-            "capabilities": ["completion", "tools"], "modified_at": entry["modified_at"]}
+            "capabilities": ["completion", "tools"] + (["vision"] if llm.takes_images else []),
+            "modified_at": entry["modified_at"]}

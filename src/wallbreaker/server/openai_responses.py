@@ -134,16 +134,24 @@ class ResponsesRequest(_Open):
 
 
 # -- in: a Responses request as a chat request ---------------------------------------------------
-def _part_text(content: Any, where: str) -> str:
+def _part_text(content: Any, where: str, images: bool = False) -> str | list[dict]:
+    """A message's text; with `images` (a user message), its text and `input_image` parts as chat
+    content parts where it has an image (a data URL; a model without a vision encoder answers 400)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where}: content must be a string or a list of parts", param="input")
-    texts = []
+    texts: list = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif kind == "input_image" and images:
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise bad_request(f"{where}.content.{j}: an input_image needs image_url (a data URL); file_id is "
+                                  "not supported", param="input")
+            texts.append({"type": "image_url", "image_url": {"url": url}})
         elif kind in ("input_image", "input_file", "input_audio"):
             raise bad_request(f"{where}.content.{j}: an {kind} part: this server reads text only", param="input")
         elif kind in ("refusal",) and isinstance(part.get("refusal"), str):
@@ -151,6 +159,8 @@ def _part_text(content: Any, where: str) -> str:
         else:
             raise bad_request(f"{where}.content.{j}: the part type {kind!r} is not supported (this server takes "
                               "input_text and output_text parts)", param="input")
+    if any(isinstance(t, dict) for t in texts):
+        return [t if isinstance(t, dict) else {"type": "text", "text": t} for t in texts]
     return "".join(texts)
 
 
@@ -175,7 +185,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 raise bad_request(f"{where}: the role {role!r} is not one of user, assistant, system, developer",
                                   param="input")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _part_text(item.get("content"), where)})
+                        "content": _part_text(item.get("content"), where, images=role == "user")})
         elif kind in ("function_call", "custom_tool_call"):
             arguments = item.get("arguments") if kind == "function_call" else \
                 json.dumps({"input": item.get("input")}, ensure_ascii=False)

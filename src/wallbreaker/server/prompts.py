@@ -83,19 +83,36 @@ def fim_tokens(state: ServerState, param: str) -> FimTokens:
 def chat_prompt(state: ServerState, messages: list[ChatMessage], tools: ToolPlan | None = None,
                 template_kwargs: dict | None = None) -> Encoded:
     """The conversation through the chat template, with the plan's tools (server/tools.py) and the
-    request's `chat_template_kwargs`."""
+    request's `chat_template_kwargs`. Text only: `chat_prompt_images` takes images too."""
+    text, ids, images = chat_prompt_images(state, messages, tools, template_kwargs)
+    if images:
+        raise bad_request("images are not supported on this route", param="messages")
+    return text, ids
+
+
+def chat_prompt_images(state: ServerState, messages: list[ChatMessage], tools: ToolPlan | None = None,
+                       template_kwargs: dict | None = None) -> tuple[str | None, list[int], list]:
+    """`chat_prompt`, and the conversation's images (vision.inputs.ImageInput): a 400 naming the
+    reason for an image a text-only model is sent, or one that cannot be read."""
     check_template_kwargs(template_kwargs)
     if not messages:
         raise bad_request("messages is empty", param="messages")
     rendered = [m.for_template() for m in messages]
-    _check_chars(state, sum(len(m["content"]) for m in rendered) + len(json.dumps(tools.tools) if tools else "")
+    _check_chars(state, sum(_text_chars(m["content"]) for m in rendered) + len(json.dumps(tools.tools) if tools else "")
                  + len(json.dumps(template_kwargs) if template_kwargs else ""), "messages")
     rendered, tool_list = template_messages(rendered, tools.tools if tools else None, state.llm.chat_template)
     try:
-        text, ids = state.llm.encode_chat(rendered, tools=tool_list, chat_template_kwargs=template_kwargs)
+        text, ids, images = state.llm.encode_chat_images(rendered, tools=tool_list, chat_template_kwargs=template_kwargs)
     except InvalidRequestError as e:
         raise bad_request(str(e), param="messages") from e
-    return text, _checked(state, ids, "messages")
+    return text, _checked(state, ids, "messages"), images
+
+
+def _text_chars(content) -> int:
+    """Characters of a message's text (its image parts are checked as images)."""
+    if isinstance(content, list):
+        return sum(len(part.get("text", "")) for part in content if isinstance(part, dict))
+    return len(content)
 
 
 def check_template_kwargs(template_kwargs: dict | None) -> None:

@@ -148,7 +148,19 @@ class TextPart(_Body):
     text: str
 
 
-Content = Annotated[str | list[TextPart], _one_of("a string or a list of {\"type\": \"text\", \"text\": ...} parts")]
+class ImageUrl(_Body):
+    url: str  # a data URL (data:image/png;base64,...): the server fetches nothing
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; Gemma 3 sees every image at one size
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+Content = Annotated[str | list[TextPart | ImagePart],
+                    _one_of("a string or a list of {\"type\": \"text\", \"text\": ...} and "
+                            "{\"type\": \"image_url\", \"image_url\": {\"url\": ...}} parts")]
 
 
 class FunctionCall(_Body):
@@ -176,7 +188,11 @@ class ChatMessage(BaseModel):
         """The message as chat templates read it (transformers' convention): text content, and each
         tool call's arguments as an object, not JSON text."""
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and any(isinstance(part, ImagePart) for part in self.content):
+            message["content"] = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else
+                                  {"type": "image_url", "image_url": {"url": part.image_url.url}}
+                                  for part in self.content]  # the images are read in server/prompts.py
+        elif isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
         message.setdefault("content", "")
         if self.tool_calls:

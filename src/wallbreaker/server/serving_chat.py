@@ -17,7 +17,7 @@ from .access_log import AccessRecord
 from ..engine.client import EngineRequest
 from .async_engine import RequestHandle
 from .logprobs import chat_logprobs
-from .prompts import chat_prompt, within_context
+from .prompts import chat_prompt_images, within_context
 from .protocol import ChatCompletionRequest
 from .harmony import HarmonyReasoning, HarmonyStream, is_harmony
 from .reasoning import ReasoningParser, ReasoningStream
@@ -65,10 +65,11 @@ async def start_chat(body: ChatCompletionRequest, request: Request, state: Serve
     if isinstance(reasoning, HarmonyReasoning) or (plan is not None and plan.choice == "auto"
                                                   and plan.parser.special_markers):
         params.skip_special_tokens = False  # the markers to read are special tokens
-    text, ids = await run_in_threadpool(chat_prompt, state, body.messages, plan, body.chat_template_kwargs)
+    text, ids, images = await run_in_threadpool(chat_prompt_images, state, body.messages, plan,
+                                                body.chat_template_kwargs)
     params = within_context(state, params, len(ids))
     grammar = await state.compile_grammar(params.structured_outputs, source)
-    engine_request = EngineRequest(ids, params, text, chat_id, body.cache_salt, grammar)
+    engine_request = EngineRequest(ids, params, text, chat_id, body.cache_salt, grammar, images=tuple(images))
     access.prompt_tokens = len(ids)
     handle = state.engine.submit([engine_request], stream=bool(body.stream))
     return ChatRun(state, handle, engine_request, access, deadline, plan, body.parallel_tool_calls is not False,

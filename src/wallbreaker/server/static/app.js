@@ -13,6 +13,7 @@ const state = {
   apiKey: localStorage.getItem(KEY_STORE) || "",
   keyRequired: false,
   history: [], // {role, content} of the conversation, the system prompt aside
+  images: [], // data URLs of the images attached to the message being written
   controller: null, // the AbortController of the reply streaming now
   lastGenerated: null, // [tokens generated, time] of the previous scrape, for the live rate
 };
@@ -143,11 +144,12 @@ function scrollDown() {
   box.scrollTop = box.scrollHeight;
 }
 
-function addUserMessage(text) {
+function addUserMessage(text, images = []) {
   hideEmpty();
   const turn = el("div", "turn user");
   const msg = el("div", "msg", text);
   msg.dataset.role = "user";
+  for (const url of images) msg.prepend(thumbnail(url));
   turn.append(msg);
   $("messages").append(turn);
   scrollDown();
@@ -251,14 +253,43 @@ async function errorText(response) {
   return `the server answered ${response.status}`;
 }
 
+// Images: attached from a file or pasted, sent as OpenAI image_url parts (data URLs) before the text.
+function thumbnail(url) {
+  const img = el("img", "thumb");
+  img.src = url; // a data: URL of the user's own file (the page's CSP allows data: images only)
+  img.alt = "attached image";
+  return img;
+}
+
+function showAttachments() {
+  const box = $("attachments");
+  box.replaceChildren(...state.images.map(thumbnail));
+  box.hidden = state.images.length === 0;
+}
+
+function attachFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => { state.images.push(reader.result); showAttachments(); };
+    reader.readAsDataURL(file);
+  }
+}
+
 async function send() {
   const prompt = $("prompt");
   const text = prompt.value;
-  if (!text.trim() || state.controller || !state.model) return;
+  if ((!text.trim() && !state.images.length) || state.controller || !state.model) return;
   prompt.value = "";
   autosize();
-  state.history.push({ role: "user", content: text });
-  addUserMessage(text);
+  const images = state.images;
+  state.images = [];
+  showAttachments();
+  const parts = images.length
+    ? [...images.map((url) => ({ type: "image_url", image_url: { url } })), ...(text ? [{ type: "text", text }] : [])]
+    : text;
+  state.history.push({ role: "user", content: parts });
+  addUserMessage(text, images);
   const view = addAssistantMessage();
 
   const messages = [];
@@ -345,6 +376,8 @@ function stop() {
 function newChat() {
   stop();
   state.history = [];
+  state.images = [];
+  showAttachments();
   for (const turn of document.querySelectorAll("#messages .turn")) turn.remove();
   $("empty").hidden = false;
   $("prompt").focus();
@@ -444,6 +477,12 @@ function init() {
   $("api-key-form").addEventListener("submit", saveKey);
   $("messages").addEventListener("click", copyCode);
   const prompt = $("prompt");
+  $("attach").addEventListener("click", () => $("image").click());
+  $("image").addEventListener("change", (e) => { attachFiles(e.target.files); e.target.value = ""; });
+  prompt.addEventListener("paste", (e) => {
+    const files = [...(e.clipboardData ? e.clipboardData.files : [])].filter((f) => f.type.startsWith("image/"));
+    if (files.length) { e.preventDefault(); attachFiles(files); }
+  });
   prompt.addEventListener("input", autosize);
   prompt.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {

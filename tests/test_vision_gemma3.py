@@ -1,0 +1,154 @@
+"""Gemma 3 with images against transformers' `Gemma3ForConditionalGeneration` on the same tiny random
+weights and a real photograph, float32: the prompt's tokens and pixels, the encoder's output, the
+logits of every position (teacher-forced, the image's tokens attending to each other both ways),
+greedy tokens; and chunked prefill and the prefix cache leaving them unchanged."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from wallbreaker import LLM, SamplingParams
+
+Image = pytest.importorskip("PIL.Image")
+skdata = pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_gemma3_vision):
+    return tiny_gemma3_vision
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+    model = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=256)
+
+
+def photo(name: str = "astronaut"):
+    return Image.fromarray(getattr(skdata, name)())
+
+
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def conversation(image_part: dict, text: str = "Describe the image.") -> list[dict]:
+    return [{"role": "user", "content": [image_part, {"type": "text", "text": text}]}]
+
+
+def hf_inputs(processor, image, text: str = "Describe the image.") -> dict:
+    messages = conversation({"type": "image", "image": image}, text)
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
+
+def test_prompt_tokens_and_pixels_are_the_processors(llm, reference):
+    _, processor = reference
+    image = photo()
+    expected = hf_inputs(processor, image)
+    _, ids, images = llm.encode_chat_images(conversation({"type": "image", "image": image}))
+    assert ids == expected["input_ids"][0].tolist()
+    assert len(images) == 1 and torch.equal(images[0].pixels, expected["pixel_values"][0])
+    soft = [i for i, t in enumerate(expected["token_type_ids"][0].tolist()) if t == 1]
+    assert (images[0].offset, images[0].end) == (soft[0], soft[-1] + 1) and len(soft) == images[0].length
+
+
+def test_encoder_and_projector_match_transformers(llm, reference):
+    model, processor = reference
+    pixels = hf_inputs(processor, photo("chelsea"))["pixel_values"]
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixels).pooler_output
+    got = llm.vision(pixels)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["astronaut", "coffee"])
+def test_teacher_forced_logits_match_transformers(llm, reference, name):
+    model, processor = reference
+    image = photo(name)
+    inputs = hf_inputs(processor, image)
+    with torch.no_grad():
+        expected = model(**inputs).logits[0]
+    _, ids, images = llm.encode_chat_images(conversation({"type": "image", "image": image}))
+    got = llm.logits(ids, images=images)
+    assert (got - expected).abs().max().item() < 1e-4
+    # the bidirectional block matters: a causal-only decoder gives other logits at the image's tokens
+    with torch.no_grad():
+        causal = model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0]
+    assert (causal - expected).abs().max().item() > 1e-2
+
+
+def test_greedy_tokens_match_transformers_generate(llm, reference):
+    model, processor = reference
+    image = photo()
+    inputs = hf_inputs(processor, image)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+    data_url = "data:image/png;base64," + __import__("base64").b64encode(png(image)).decode()
+    got = llm.chat(conversation({"type": "image_url", "image_url": {"url": data_url}}),
+                   SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert got.outputs[0].token_ids == expected[:len(got.outputs[0].token_ids)] and len(expected) == 12
+    assert got.metrics["num_images"] == 1 and got.metrics["image_encode_s"] >= 0.0
+
+
+def test_an_image_changes_the_output(llm):  # the tests above can fail: the image is read
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    a = llm.chat(conversation({"type": "image", "image": photo("astronaut")}), params)[0].outputs[0]
+    b = llm.chat(conversation({"type": "image", "image": photo("coffee")}), params)[0].outputs[0]
+    assert a.top_logprobs[0] != b.top_logprobs[0]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 13, 40])
+def test_chunked_prefill_gives_the_same_logits(llm, chunk):
+    image = photo("rocket")
+    _, ids, images = llm.encode_chat_images(conversation({"type": "image", "image": image}))
+    whole = llm.logits(ids, images=images)
+    chunked = llm.logits(ids, chunk_size=chunk, images=images)
+    assert torch.equal(whole, chunked) or (whole - chunked).abs().max().item() < 1e-5
+
+
+def test_two_images_in_two_turns_match_transformers(llm, reference):
+    """Each image its own bidirectional block (never one block across both), in a multi-turn chat."""
+    model, processor = reference
+    a, b = photo("astronaut"), photo("chelsea")
+    hf_messages = [
+        {"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image", "image": b}]}]
+    inputs = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        expected = model(**inputs).logits[0]
+    _, ids, images = llm.encode_chat_images(hf_messages)
+    assert ids == inputs["input_ids"][0].tolist() and len(images) == 2
+    assert all(torch.equal(im.pixels, px) for im, px in zip(images, inputs["pixel_values"]))
+    assert (llm.logits(ids, images=images) - expected).abs().max().item() < 1e-4
+    assert (llm.logits(ids, chunk_size=9, images=images) - expected).abs().max().item() < 1e-4
+
+
+def test_the_auto_path_takes_images_too(folder, llm):
+    """The packed-kernel path with an image: it runs, its first token is the float32 path's, and its
+    encoder's projections run on our kernels within 2% of the float32 encoder's output."""
+    auto = LLM(folder, kv_cache_memory_gb=0.05, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    conv = conversation({"type": "image", "image": photo("astronaut")})
+    a, b = auto.chat(conv, params)[0].outputs[0], llm.chat(conv, params)[0].outputs[0]
+    assert len(a.token_ids) == 4 and a.token_ids[0] == b.token_ids[0]
+    # the encoder's projections on our kernels (Q8_0 blocks packed at load), near the float32 encoder
+    from wallbreaker.layers.linear import QuantLinear
+    assert auto.vision.tower.linears and all(isinstance(m, QuantLinear) for m in auto.vision.tower.linears.values())
+    pixels = llm.encode_chat_images(conv)[2][0].pixels[None]
+    exact, packed = llm.vision(pixels), auto.vision(pixels)
+    assert ((packed - exact).norm() / exact.norm()).item() < 0.02
