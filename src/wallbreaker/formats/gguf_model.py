@@ -9,14 +9,14 @@ import torch
 
 from ..config import MAMBA2_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, UnsupportedModelError
-from .chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import Tokenizer, check_token_ids
 from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor, open_gguf
 from .gguf_slice import block_loaders, part_loader
 from . import qwen3_next, qwen3_next_weights
 from .lfm2 import gguf_layer_heads as lfm2_layer_heads
 from .names import FUSED_GATE_UP, llama_unpermute
-from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef, check_weights, split_fused
 
 GEMMA3_SLIDING_PATTERN = 6  # every sixth layer is global, as llama.cpp and transformers assume

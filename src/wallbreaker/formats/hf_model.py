@@ -12,12 +12,12 @@ from safetensors import safe_open
 
 from ..config import MAMBA2_ARCHITECTURES, ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from .chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import Tokenizer, check_token_ids
 from . import qwen3_next, qwen3_next_weights
 from .lfm2 import hf_config_keys as lfm2_config_keys, squeeze_conv_weights
 from .names import GEMMA_ARCHITECTURES, adds_one, hf_expert, hf_to_canonical_table, is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
-from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef, check_weights, split_fused, stacked_experts
 
 # model_type -> ModelConfig.architecture (llama.cpp's names: Mistral and Mixtral are llama)

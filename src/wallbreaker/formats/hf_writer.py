@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig, RopeScaling
+from ..text.tokenizer import Tokenizer
 from .names import FUSED_GATE_UP, FUSED_QKV, GEMMA_ARCHITECTURES, hf_expert_name, hf_to_canonical_table, is_norm
-from .tokenizer import Tokenizer
 
 _ARCH = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
          "mixtral": ("mixtral", "MixtralForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),

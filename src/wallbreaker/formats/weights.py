@@ -9,12 +9,12 @@ import torch
 
 from ..config import MAMBA2_ARCHITECTURES, ModelConfig
 from ..errors import ModelFormatError
-from .chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import Tokenizer
 from . import qwen3_next
 from .lfm2 import FINAL_NORM as LFM2_FINAL_NORM, conv_layer_tensors
 from .mamba_tensors import mamba_layer_tensors
 from .names import FUSED_GATE_UP, FUSED_QKV
-from .tokenizer import Tokenizer
 
 
 @dataclass

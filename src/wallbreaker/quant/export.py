@@ -21,7 +21,7 @@ from ..formats.gguf_writer import write_gguf
 from ..formats.hf_writer import canonical_to_hf, write_hf_folder
 from ..formats.names import llama_permute
 from ..formats.quantized_hf import QUANT_METHOD, quantized_state
-from ..formats.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from ..formats.grid import QuantizedTensor
 from .pipeline import QuantizedModel, QuantizeConfig
 
