@@ -18,6 +18,7 @@ from ..text.wordpiece import bert_hf_tokenizer, gguf_wordpiece_tokenizer
 from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor
 from .gguf_slice import block_loaders, part_loader
+from .safetensors_file import safetensors_handles, tensor_ref
 from .sentence_transformers import read_pooling_config
 from .weights import ModelFiles, WeightRef
 
@@ -60,19 +61,10 @@ def _config(where: str, **fields: Any) -> ModelConfig:
     except (TypeError, ZeroDivisionError) as e:
         raise ModelFormatError(f"{where}: {e}") from None
 
-def is_bert_folder(path: Path) -> bool:
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False  # hf_model names what is wrong with it
-    return isinstance(hf, dict) and hf.get("model_type") == "bert"
-
 def read_bert_folder(path: Path) -> ModelFiles:
     """A Hugging Face BERT folder. Its limit is the smaller of `max_position_embeddings` and
     sentence-transformers' `max_seq_length` (what the model was trained to, and where
     sentence-transformers cuts)."""
-    from .hf_model import _safetensors_handles, _tensor_ref
-
     where = f"{path}/config.json"
     hf = json.loads((path / "config.json").read_text())
     if hf.get("position_embedding_type", "absolute") != "absolute":
@@ -95,12 +87,12 @@ def read_bert_folder(path: Path) -> ModelFiles:
                      type_vocab_size=int(hf.get("type_vocab_size", 2)), sep_token_id=tokenizer.eos_token_id,
                      num_labels=num_labels)
     weights: dict[str, WeightRef] = {}
-    for _, handle, names in _safetensors_handles(path):
+    for _, handle, names in safetensors_handles(path):
         for hf_name in names:
             name = canonical_name(hf_name)
             if name is None or (name.startswith("cls.") and not classifier):
                 continue
-            weights[name] = _tensor_ref(handle, hf_name, name, False)
+            weights[name] = tensor_ref(handle, hf_name, name)
     _check_weights(str(path), config, weights, classifier)
     check_token_ids(tokenizer, config.vocab_size, str(path), "the embedding (config.json vocab_size)")
     return ModelFiles(path, "hf", config, weights, tokenizer, ChatTemplate(None, None, None), hf)
