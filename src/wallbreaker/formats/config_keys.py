@@ -29,8 +29,8 @@ def obj(hf: dict[str, Any], key: str, where: str) -> dict[str, Any]:
 
 def layer_types(hf: dict[str, Any], layers: Any, where: str, default: str) -> tuple[str, ...]:
     """Per layer "sliding" | "full": config.json's `layer_types`, else the family's rule (`default`):
-    "none" (no window), "alternate" (even layers slide), "qwen" (layers from max_window_layers on
-    slide) or "all"."""
+    "none" (no window), "alternate" (even layers slide), "max_window_layers" (the layers from
+    `max_window_layers` on slide, and only with `use_sliding_window`: Qwen) or "all"."""
     given = hf.get("layer_types")
     if given is not None:
         if not isinstance(given, list):
@@ -43,7 +43,7 @@ def layer_types(hf: dict[str, Any], layers: Any, where: str, default: str) -> tu
         return ()
     if default == "alternate":
         return tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
-    if default == "qwen":
+    if default == "max_window_layers":
         first = hf.get("max_window_layers", layers)
         first = first if isinstance(first, int) and not isinstance(first, bool) else layers
         return tuple("sliding" if i >= first else "full" for i in range(layers))

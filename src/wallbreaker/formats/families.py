@@ -129,7 +129,7 @@ _GEMMA_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 _GEMMA = dict(hf_act_keys=("hidden_activation", "hidden_act"), hf_act="gelu_pytorch_tanh", tied_embeddings=True,
               sliding=None, hf_layer_names=_GEMMA_NAMES, norm_adds_one=is_norm, model="gemma.GemmaCausalLM")
-_QWEN = dict(model="llama.LlamaCausalLM", sliding="qwen", hf_write=llama.qwen_hf_write)
+_QWEN = dict(model="llama.LlamaCausalLM", sliding="max_window_layers", hf_write=llama.qwen_hf_write)
 _MAMBA2 = dict(features=_RECURRENT, hf_config=mamba.mamba_config_from_hf, gguf_config=mamba.mamba_config_from_gguf,
                hf_weights=mamba.mamba_hf_weights, layer_tensors=mamba_tensors.mamba_layer_tensors,
                gguf_write_keys=mamba.add_mamba2_metadata)

@@ -158,7 +158,7 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
                                  attn_logit_softcap=number("attn_logit_softcapping", None),
                                  final_logit_softcap=number("final_logit_softcapping", None))
     if spec.sliding is not None and hf.get("sliding_window") is not None and \
-            (spec.sliding != "qwen" or hf.get("use_sliding_window")):
+            (spec.sliding != "max_window_layers" or hf.get("use_sliding_window")):
         # Mistral, Mixtral and Phi-3 slide every layer; Qwen only with use_sliding_window, from max_window_layers
         extra.update(sliding_window=hf.get("sliding_window"), layer_types=layer_types(hf, layers, where, spec.sliding))
     if spec.qk_norm:
