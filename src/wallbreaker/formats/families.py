@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..config import ModelConfig, short_repr
 from ..errors import UnsupportedModelError
-from . import bert, gemma, lfm2, llama, mamba, mamba_tensors, qwen3_next, qwen3_next_weights
+from . import bert, gemma, lfm2, llama, mamba, mamba1, mamba_tensors, qwen3_next, qwen3_next_weights
 from .names import FUSED_GATE_UP, FUSED_QKV, is_norm
 
 # Engine features a family may lack (a recurrent state is not sharded across ranks, written to the
@@ -176,6 +176,11 @@ FAMILIES: tuple[ArchSpec, ...] = (
     ArchSpec("mamba2", "mamba2.Mamba2CausalLM", ("mamba2",), **_MAMBA2),
     ArchSpec("granitehybrid", "granite_hybrid.GraniteHybridCausalLM", ("granitemoehybrid",), rope_permuted=True,
              **_MAMBA2),
+    # Mamba (v1); Falcon-Mamba is GGUF mamba with ssm.dt_b_c_rms
+    ArchSpec("mamba", "mamba.MambaCausalLM", ("mamba", "falcon_mamba"), features=_RECURRENT,
+             hf_config=mamba1.config_from_hf, gguf_config=mamba1.config_from_gguf,
+             hf_tensor_names=mamba1.hf_tensor_names, hf_weights_fixup=mamba1.canonical_hf_weights,
+             layer_tensors=mamba1.layer_tensors, gguf_write_keys=mamba1.add_gguf_keys),
 )
 
 

@@ -7,8 +7,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..config import ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from ..text.chat_template import ChatTemplate
