@@ -12,7 +12,7 @@ from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, 
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer, check_token_ids
 from .checks import check_weights, split_fused
-from .config_keys import layer_types, unsupported as unsupported_key
+from .config_keys import layer_types, number, obj, unsupported as unsupported_key
 from .families import adds_one, family, family_of_model_type, hf_expert, hf_to_canonical_table
 from .names import is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
@@ -120,24 +120,14 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
             raise ModelFormatError(f"{where}: missing key {key!r}")
         return value
 
-    def obj(key: str, within: dict[str, Any] = hf) -> dict[str, Any]:
-        value = within.get(key) or {}
-        if not isinstance(value, dict):
-            raise ModelFormatError(f"{where}: {key} must be a JSON object, got {short_repr(value)}")
-        return value
-
-    def number(key: str, default: Any, within: dict[str, Any] = hf) -> Any:
-        value = within.get(key, default)
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-
     def unsupported(what: str) -> UnsupportedModelError:
         return unsupported_key(where, what)
 
     _refuse_unimplemented(_without(hf, spec.hf_own_keys), unsupported)
-    rope = obj("rope_parameters")
-    global_rope = obj("full_attention", rope) if "full_attention" in rope else rope
-    obj("sliding_attention", rope)  # read by the families that have one (Gemma 3); checked for all
-    scaling = obj("rope_scaling") if hf.get("rope_scaling") else global_rope
+    rope = obj(hf, "rope_parameters", where)
+    global_rope = obj(rope, "full_attention", where) if "full_attention" in rope else rope
+    obj(rope, "sliding_attention", where)  # read by the families that have one (Gemma 3); checked for all
+    scaling = obj(hf, "rope_scaling", where) if hf.get("rope_scaling") else global_rope
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
     head_dim = hf.get("head_dim")
@@ -153,8 +143,8 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise unsupported(f"{act_key} {short_repr(act)}")
     extra: dict[str, Any] = dict(hidden_act=_ACTIVATIONS[act],
-                                 attn_logit_softcap=number("attn_logit_softcapping", None),
-                                 final_logit_softcap=number("final_logit_softcapping", None))
+                                 attn_logit_softcap=number(hf, "attn_logit_softcapping", None),
+                                 final_logit_softcap=number(hf, "final_logit_softcapping", None))
     if spec.sliding is not None and hf.get("sliding_window") is not None and \
             (spec.sliding != "max_window_layers" or hf.get("use_sliding_window")):
         # Mistral, Mixtral and Phi-3 slide every layer; Qwen only with use_sliding_window, from max_window_layers
@@ -170,8 +160,8 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
             intermediate_size=get("intermediate_size"), num_layers=layers, num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=number("rms_norm_eps", 1e-6),
-            rope_theta=number("rope_theta", number("rope_theta", 10000.0), global_rope),
+            rms_norm_eps=number(hf, "rms_norm_eps", 1e-6),
+            rope_theta=number(global_rope, "rope_theta", number(hf, "rope_theta", 10000.0)),
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=hf.get("tie_word_embeddings", spec.tied_embeddings),
