@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from wallbreaker import LLM, EngineConfig
-from wallbreaker.formats.chat_template import ChatTemplate
+from wallbreaker.text.chat_template import ChatTemplate
 from wallbreaker.server.app import build_app
 from wallbreaker.server.run import uvicorn_config
 

@@ -10,9 +10,9 @@ import pytest
 from tokenizers.pre_tokenizers import ByteLevel
 
 from wallbreaker.errors import InvalidRequestError, ModelNotFoundError
-from wallbreaker.formats.chat_template import ChatTemplate, encode_chat
+from wallbreaker.text.chat_template import ChatTemplate, encode_chat
 from wallbreaker.formats.packaged import PACKAGED_MODELS, packaged_model_path
-from wallbreaker.formats.tokenizer import Tokenizer
+from wallbreaker.text.tokenizer import Tokenizer
 
 CONVERSATIONS = {
     "system_user_assistant_user": [
@@ -309,7 +309,7 @@ def test_renders_in_threads_have_their_own_deadlines() -> None:
 def test_jinja2_older_than_3_1_6_is_refused() -> None:
     import jinja2
 
-    from wallbreaker.formats.chat_template import check_jinja2_version
+    from wallbreaker.text.chat_template import check_jinja2_version
 
     for version in ("3.1.5", "3.1.0", "3.0.3", "2.11.3"):
         with pytest.raises(ImportError, match=r"jinja2>=3\.1\.6.*CVE-2024-56326.*CVE-2025-27516"):

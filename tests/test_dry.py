@@ -66,7 +66,7 @@ def test_a_breaker_at_the_end_of_the_context_stops_the_penalty():
 
 
 def test_breaker_ids_are_the_tokens_whose_text_holds_a_breaker(tiny_llama):
-    from wallbreaker.formats.tokenizer import Tokenizer
+    from wallbreaker.text.tokenizer import Tokenizer
     tok = Tokenizer.from_hf_folder(tiny_llama.hf_dir)
     ids = DryBreakers(tok).ids(["\n", ":"])
     texts = {i: tok.token_bytes(i) for i in range(tok.vocab_size)}

@@ -1,4 +1,4 @@
-"""Fill-in-the-middle (formats/fim.py): `suffix` on /v1/completions and llama.cpp's POST /infill, on a
+"""Fill-in-the-middle (text/fim.py): `suffix` on /v1/completions and llama.cpp's POST /infill, on a
 tiny model given FIM tokens by its GGUF metadata, and on Qwen2.5-Coder-0.5B against transformers."""
 import dataclasses
 import json
@@ -7,7 +7,7 @@ import pytest
 import torch
 from server_apps import app_client, assert_openai_error, make_app
 
-from wallbreaker.formats.fim import ExtraFile, FimTokens
+from wallbreaker.text.fim import ExtraFile, FimTokens
 from wallbreaker.server.app import build_app
 
 # three ordinary tokens of the tiny vocabulary stand for FIM prefix, suffix and middle

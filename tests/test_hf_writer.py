@@ -12,7 +12,7 @@ from tiny_models import KINDS, TinyModel
 from wallbreaker import LLM
 from wallbreaker.formats.hf_model import config_from_hf
 from wallbreaker.formats.hf_writer import hf_config, write_hf_folder
-from wallbreaker.formats.tokenizer import Tokenizer
+from wallbreaker.text.tokenizer import Tokenizer
 
 TEXTS = ["Hello, world! How are you today?", "<|im_start|>user\nhi<|im_end|>\n", "café 日本語 🙂 12345"]
 

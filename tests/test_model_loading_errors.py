@@ -508,7 +508,7 @@ def _old_merges_from_vocab(vocab, ranks):
 
 
 def test_merges_from_vocab_equal_the_original():
-    from wallbreaker.formats.tokenizer import _merges_from_vocab
+    from wallbreaker.text.tokenizer import _merges_from_vocab
 
     rng = np.random.default_rng(0)
     alphabet = list("ab\u2581c")
@@ -533,7 +533,7 @@ def test_a_one_megabyte_token_is_quick():
     """Unfixed: every split of the 1 MB token sliced and hashed both halves, about 10**12 steps (hours)."""
     from test_tokenizer import sentencepiece_metadata
 
-    from wallbreaker.formats.tokenizer import Tokenizer
+    from wallbreaker.text.tokenizer import Tokenizer
 
     meta = sentencepiece_metadata(True)
     huge = "ab" * 2**19

@@ -158,7 +158,6 @@ BAD = {
     "malformed JSON": (b'{"model": "default", "input": [', 400, None),
     "item without a type": ({"input": [{"call_id": "x"}]}, 400, "input"),
     "image part": ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
-    "image part": ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
     "schema that does not compile": ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {
         "type": "nonsense"}}}}, 400, "text.format"),
     "tool schema that does not compile": ({"input": "x", "tool_choice": FORCE, "tools": [

@@ -1,7 +1,7 @@
 """The engine's behaviours keep greedy output exact on recurrent states, on the tiny random model of each
 recurrent architecture (tests/tiny_recurrent.py): LFM2 (short convolutions beside attention),
-Granite-4.0-H (Mamba2 mixers beside attention), pure Mamba2 (no attention, so no KV pages) and
-Qwen3-Next (gated delta nets beside gated attention). Batching and chunked prefill, n-gram and
+Granite-4.0-H (Mamba2 mixers beside attention), pure Mamba2 (no attention, so no KV pages),
+Qwen3-Next (gated delta nets beside gated attention) and Mamba (v1). Batching and chunked prefill, n-gram and
 draft-model speculation, a pool too small for all (preemption), the prefix cache and n > 1 samples
 sharing one state each give what a request alone gives; any chunking of a prompt gives the logits of
 one pass."""
@@ -40,6 +40,7 @@ ARCHS = [
     # long prompts' pool is short of states (3 slots for 2 sequences)
     Arch("mamba2", {"max_model_len": 2048}, long_pool=(4, 0)),
     Arch("qwen3_next"),
+    Arch("mamba", {"max_model_len": 2048}, long_pool=(4, 0)),  # no attention, as Mamba2
 ]
 
 

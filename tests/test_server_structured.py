@@ -16,7 +16,7 @@ import pytest
 from server_apps import app_client, assert_openai_error, make_app, running_server, tool_app
 from server_process import free_port
 
-from wallbreaker.formats.chat_template import ChatTemplate
+from wallbreaker.text.chat_template import ChatTemplate
 from wallbreaker.server.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for
 from wallbreaker.server.tools import ToolStream
 

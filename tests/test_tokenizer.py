@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as Backend
 
 from wallbreaker.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from wallbreaker.formats.packaged import PACKAGED_MODELS, packaged_model_path
-from wallbreaker.formats.tokenizer import Tokenizer
+from wallbreaker.text.tokenizer import Tokenizer
 
 TEXTS = [
     "",

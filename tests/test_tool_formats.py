@@ -18,7 +18,7 @@ from server_apps import app_client, make_app
 from tool_formats import FAMILIES, ONE_CALL, TOOLS, TWO_CALLS, Family, calls_of
 
 from wallbreaker.engine.client import EngineRequest
-from wallbreaker.formats.chat_template import ChatTemplate
+from wallbreaker.text.chat_template import ChatTemplate
 from wallbreaker.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from wallbreaker.server.async_engine import Finished
 from wallbreaker.server.tool_parsers.deepseek import deepseek_tool_listing

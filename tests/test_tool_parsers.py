@@ -15,7 +15,7 @@ from tool_formats import FAMILIES, TEMPLATES, TOOLS, TWO_CALLS, tool_call
 from wallbreaker import LLM, SamplingParams
 from wallbreaker.server.harmony import HarmonyReasoning, harmony_split
 from wallbreaker.server.reasoning import Split
-from wallbreaker.formats.chat_template import ChatTemplate
+from wallbreaker.text.chat_template import ChatTemplate
 from wallbreaker.server.tool_parsers import DeepSeekParser, HarmonyParser, HermesParser, Qwen3CoderParser
 from wallbreaker.server.tools import ToolStream
 

@@ -1,5 +1,5 @@
-"""Tiny random-weight Mamba2 and Granite-4.0-H models: their configs, and their Hugging Face folders
-as llama.cpp's converter reads them (tests/tiny_recurrent.py builds them)."""
+"""Tiny random-weight Mamba2, Granite-4.0-H, Mamba (v1) and Falcon-Mamba models: their configs, and
+their Hugging Face folders as llama.cpp's converter reads them (tests/tiny_recurrent.py builds them)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,24 @@ def mamba2_config(**changes):
               conv_kernel=4, chunk_size=8, num_hidden_layers=2, tie_word_embeddings=True, bos_token_id=1,
               eos_token_id=2, pad_token_id=0)
     return Mamba2Config(**{**kw, **changes})
+
+
+def mamba_config(**changes):
+    """Mamba (v1): the converter takes only expand 2; time_step_rank "auto" is ceil(64 / 16) = 4."""
+    from transformers import MambaConfig
+    kw = dict(vocab_size=VOCAB, hidden_size=64, state_size=16, expand=2, conv_kernel=4, num_hidden_layers=2,
+              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return MambaConfig(**{**kw, **changes})
+
+
+def falcon_mamba_config(**changes):
+    """Falcon-Mamba: Mamba with weightless RMS norms of the time step, B and C; their epsilon is the
+    layer norms' (a GGUF has only that one)."""
+    from transformers import FalconMambaConfig
+    kw = dict(vocab_size=VOCAB, hidden_size=64, state_size=16, expand=2, conv_kernel=4, num_hidden_layers=2,
+              layer_norm_epsilon=1e-5, mixer_rms_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0)
+    return FalconMambaConfig(**{**kw, **changes})
 
 
 def granite_config(**changes):

@@ -25,8 +25,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from wallbreaker.config import ModelConfig, RopeScaling
 from wallbreaker.formats.gguf_writer import write_gguf
-from wallbreaker.formats.names import (FUSED_GATE_UP, FUSED_QKV, GEMMA_ARCHITECTURES, hf_expert,
-                                       hf_to_canonical_table, is_norm)
+from wallbreaker.formats.families import adds_one, hf_expert, hf_to_canonical_table
+from wallbreaker.formats.names import FUSED_GATE_UP, FUSED_QKV
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS, EOS = "<|endoftext|>", "<|im_end|>"
@@ -151,7 +151,7 @@ class TinyModel:
                 experts.setdefault(name, {})[e] = t
                 continue
             name = table[hf_name]
-            out[name] = t + 1 if c.architecture in GEMMA_ARCHITECTURES and is_norm(name) else t
+            out[name] = t + 1 if adds_one(c.architecture, name) else t
         for name, parts in experts.items():
             out[name] = torch.stack([parts[e] for e in range(len(parts))])
         q, kv, ff = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
@@ -323,7 +323,7 @@ def hf_model(config: ModelConfig, seed: int, kind: str | None = None) -> torch.n
             sliding_window=c.sliding_window, layer_types=[f"{t}_attention" for t in c.layer_types],
             rope_local_base_freq=c.rope_local_theta, hidden_activation="gelu_pytorch_tanh",
         ))
-    gemma = c.architecture in GEMMA_ARCHITECTURES
+    gemma = c.architecture.startswith("gemma")
     neutral = 0.0 if gemma else 1.0
     # Gemma's sqrt(hidden) embedding scale would make a large tied embedding echo its input token;
     # a small one plus a larger final norm keeps the logits peaked instead.

@@ -1,9 +1,9 @@
-"""Tiny random-weight recurrent and hybrid models (LFM2, Granite-4.0-H, Mamba2, Qwen3-Next), built by
-transformers from a config, written as a Hugging Face folder with SmolLM2's tokenizer (one that
-llama.cpp's converter knows), and converted to GGUF by llama.cpp's own `convert_hf_to_gguf.py`; and
-the checks against transformers that every architecture's tests share. Each architecture's folder is
-built once a session (conftest.py's `recurrent_folder`); the engine's behaviours on all four are
-tests/test_recurrent_engine.py."""
+"""Tiny random-weight recurrent and hybrid models (LFM2, Granite-4.0-H, Mamba2, Qwen3-Next, Mamba,
+Falcon-Mamba), built by transformers from a config, written as a Hugging Face folder with SmolLM2's
+tokenizer (one that llama.cpp's converter knows), and converted to GGUF by llama.cpp's own
+`convert_hf_to_gguf.py`; and the checks against transformers that every architecture's tests share.
+Each architecture's folder is built once a session (conftest.py's `recurrent_folder`); the engine's
+behaviours on them are tests/test_recurrent_engine.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -64,14 +64,16 @@ def no_fused_kernels() -> list[str]:
     return [m for m in ("mamba_ssm", "causal_conv1d", "fla") if importlib.util.find_spec(m) is not None]
 
 
-ARCHITECTURES = ("lfm2", "granite", "mamba2", "qwen3_next")
+ARCHITECTURES = ("lfm2", "granite", "mamba2", "qwen3_next", "mamba", "falcon_mamba")
 
 
 def save_tiny_model(arch: str, out: Path) -> Path:
     """The tiny random model of `arch` (one of ARCHITECTURES) as a Hugging Face folder in `out`."""
-    if arch in ("granite", "mamba2"):
-        from tiny_mamba import granite_config, mamba2_config, save_model  # tiny_mamba imports this module
-        return save_model(granite_config() if arch == "granite" else mamba2_config(), out)
+    if arch in ("granite", "mamba2", "mamba", "falcon_mamba"):
+        import tiny_mamba  # it imports this module
+        configs = {"granite": tiny_mamba.granite_config, "mamba2": tiny_mamba.mamba2_config,
+                   "mamba": tiny_mamba.mamba_config, "falcon_mamba": tiny_mamba.falcon_mamba_config}
+        return tiny_mamba.save_model(configs[arch](), out)
     return save_random_model(tiny_config(arch), out)
 
 

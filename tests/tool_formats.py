@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from wallbreaker.formats.chat_template import ChatTemplate
+from wallbreaker.text.chat_template import ChatTemplate
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 

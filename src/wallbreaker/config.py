@@ -11,16 +11,12 @@ import torch
 
 from .errors import InvalidRequestError
 
-# llama.cpp's names: Mistral and Mixtral are "llama" (a sliding window, experts), as in their GGUF files.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "bert",
-                           "lfm2", "qwen3next")
-MAMBA2_ARCHITECTURES = ("mamba2", "granitehybrid")  # Mamba2 mixers (layers/mamba2.py); config: formats/mamba.py
-SUPPORTED_ARCHITECTURES += MAMBA2_ARCHITECTURES
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu")  # gelu: erf GELU, BERT's plain MLP
 MAX_SIZE = 2**63
 ATTENTION_LAYER_TYPES = ("full", "sliding")
-# recurrent layers (layers/recurrent.py): LFM2's gated short convolution, a Mamba2 mixer, a gated delta net
-RECURRENT_LAYER_TYPES = ("conv", "mamba2", "linear_attention")
+# recurrent layers (layers/recurrent.py): LFM2's gated short convolution, a Mamba2 mixer, a gated delta net,
+# a Mamba (v1) mixer
+RECURRENT_LAYER_TYPES = ("conv", "mamba2", "linear_attention", "mamba")
 LAYER_TYPES = ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
 POOLING_METHODS = ("mean", "cls", "last")
@@ -154,7 +150,7 @@ class ModelConfig:
     (rotate-half RoPE), Gemma norm weights as the effective multiplier (1 + w of HF).
     """
 
-    architecture: str
+    architecture: str  # its family (formats/families.py): llama.cpp's general.architecture
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -230,13 +226,19 @@ class ModelConfig:
     logits_scaling: float = 1.0
     shared_mlp_size: int = 0
     attention_rope: bool = True
+    # Mamba (v1) and Falcon-Mamba (layers/mamba.py): a mixer of intermediate_size channels, each with a
+    # state of ssm_state_size, a conv of ssm_conv_kernel taps (ssm_conv_bias), the time step made from
+    # ssm_time_step_rank channels; Falcon-Mamba RMS-norms the time step, B and C (no weight) with
+    # ssm_bc_norm_eps (None: no such norms).
+    ssm_time_step_rank: int = 0
+    ssm_bc_norm_eps: float | None = None
 
     def __post_init__(self) -> None:
         """Refuse what no model can be, whichever loader read it: a loader turns the ValueError into
         a ModelFormatError naming its file and key. Sizes that tensors have are checked against
         the tensors by `check_weights`; these are the rules no shape check would catch."""
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError("architecture", f"unsupported architecture {short_repr(self.architecture)}")
+        if not isinstance(self.architecture, str) or not self.architecture:  # which ones run: formats/families.py
+            raise ConfigError("architecture", f"architecture must be a family's name, got {short_repr(self.architecture)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             _positive_int(name, getattr(self, name))
@@ -288,6 +290,13 @@ class ModelConfig:
             self._token_id("eos_token_ids", i)
         if "mamba2" in self.layer_types:
             self._check_mamba2()
+        if "mamba" in self.layer_types:
+            for name in ("ssm_state_size", "ssm_conv_kernel", "ssm_time_step_rank"):
+                _positive_int(name, getattr(self, name))
+            if self.ssm_bc_norm_eps is not None:
+                _positive_float("ssm_bc_norm_eps", self.ssm_bc_norm_eps)
+            if not isinstance(self.ssm_conv_bias, bool):
+                raise ConfigError("ssm_conv_bias", f"ssm_conv_bias must be true or false, got {short_repr(self.ssm_conv_bias)}")
 
     def _check_mamba2(self) -> None:
         for name in ("ssm_num_heads", "ssm_head_dim", "ssm_num_groups", "ssm_state_size", "ssm_conv_kernel",
@@ -355,13 +364,15 @@ class ModelConfig:
         account the state pool, `inspect` and the roofline size from (the runner checks each
         mixer's own `state_shapes` against it). LFM2: the last conv_kernel - 1 inputs; Mamba2: those
         of xBC, then S [heads, head_dim, d_state]; a gated delta net: those of q|k|v (channel-major),
-        then S [value heads, k_dim, v_dim]."""
+        then S [value heads, k_dim, v_dim]; Mamba: those of x, then S [intermediate, d_state]."""
         kind = self.layer_types[layer] if self.layer_types else "full"
         if kind == "conv":
             return [(self.conv_kernel - 1, self.hidden_size)]
         if kind == "mamba2":
             conv_dim = self.ssm_num_heads * self.ssm_head_dim + 2 * self.ssm_num_groups * self.ssm_state_size
             return [(self.ssm_conv_kernel - 1, conv_dim), (self.ssm_num_heads, self.ssm_head_dim, self.ssm_state_size)]
+        if kind == "mamba":
+            return [(self.ssm_conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.ssm_state_size)]
         if kind == "linear_attention":
             channels = 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
                 self.linear_num_value_heads * self.linear_value_head_dim

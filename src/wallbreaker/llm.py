@@ -23,6 +23,7 @@ from .engine.threads import ThreadGovernor
 from . import kernels
 from .errors import EngineError, InvalidRequestError
 from .formats import ModelFiles, open_model
+from .formats.families import DISK_TIER, DRAFT_MODEL, SESSIONS, TENSOR_PARALLEL, family
 from .formats.packaged import cache_dir
 from .formats.stored_precision import stored_dtype
 from .kernels.repack_cache import source_identity
@@ -135,7 +136,7 @@ class LLM:
         vocab_limit = self.tokenizer.vocab_size
         if files.config.pooling is not None and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError("pooling models (embeddings, rerankers) run without tensor parallelism")
-        if files.config.is_recurrent and self.config.tensor_parallel_size > 1:
+        if not family(files.config.architecture).supports(TENSOR_PARALLEL) and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError("recurrent and hybrid models run without tensor parallelism (not yet)")
         self.states: StatePool | None = None
         self.vision = _vision_model(files, self.config.mmproj)  # the image encoder and projector, where the model takes images
@@ -223,23 +224,28 @@ class LLM:
     def _disk_tier(self) -> tuple[DiskKVCache | None, SessionStore | None]:
         """The prefix cache's disk tier (where `kv_cache_disk_gb` > 0) and the saved sessions'
         store, in `kv_cache_disk_dir`; neither under tensor parallelism (each rank would need its
-        shard read and written: not yet), nor without the prefix cache."""
+        shard read and written: not yet), nor without the prefix cache, nor for a family whose spec
+        says it has none (recurrent states are not written to disk: not yet)."""
         c = self.config
-        if c.tensor_parallel_size > 1 or not c.enable_prefix_caching or self.states is not None:
-            return None, None  # recurrent states are not written to disk (not yet)
+        spec = family(self.model_config.architecture)
+        if c.tensor_parallel_size > 1 or not c.enable_prefix_caching or not (spec.supports(DISK_TIER)
+                                                                             or spec.supports(SESSIONS)):
+            return None, None
         root = Path(c.kv_cache_disk_dir) if c.kv_cache_disk_dir else cache_dir() / "kv"
         layers, _, heads, _, head_dim = self.kv_cache.tensor.shape
         computed_by = (kernels.isa() if c.packed_weights else "torch") + (" batch-invariant" if c.batch_invariant else "")
         fingerprint = engine_fingerprint(source_identity(self.model_path), c.dtype, computed_by, self.kv_cache.dtype,
                                          c.kv_block_size, (layers, heads, head_dim))
         disk = None
-        if c.kv_cache_disk_gb:
+        if c.kv_cache_disk_gb and spec.supports(DISK_TIER):
             try:
                 disk = DiskKVCache(root / "blocks", int(c.kv_cache_disk_gb * 2**30), fingerprint, self.kv_cache)
             except OSError as e:
                 raise InvalidRequestError(f"kv_cache_disk_dir {root}: {e.strerror or e}") from None
             weakref.finalize(self, disk.close)  # what is queued is written before the process ends
-        return disk, SessionStore(root / "sessions", fingerprint, self.kv_cache, int(c.kv_cache_sessions_gb * 2**30))
+        sessions = SessionStore(root / "sessions", fingerprint, self.kv_cache, int(c.kv_cache_sessions_gb * 2**30)) \
+            if spec.supports(SESSIONS) else None
+        return disk, sessions
 
     def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int, vocab_limit: int) -> ModelRunner:
         """Start the workers (or join torchrun's ranks) and load rank 0's shard; see parallel/."""
@@ -283,7 +289,7 @@ class LLM:
         c = self.config
         files = open_model(c.speculative_model)
         check_vocabularies(self.tokenizer, files.tokenizer)
-        if files.config.is_recurrent:
+        if not family(files.config.architecture).supports(DRAFT_MODEL):
             raise InvalidRequestError("a draft model with recurrent layers is not supported: its state cannot go "
                                       "back to the tokens its target kept (the target may be recurrent)")
         config = dataclasses.replace(c, model=c.speculative_model, kv_cache_dtype="auto", speculative_method=None,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .engine.client import EngineClient, EngineRequest, RequestOutput
 from .errors import InvalidRequestError
-from .formats.tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 from .layers.pooling import finish_embedding, finish_score
 from .config import PoolingConfig
 from .pooling_params import PoolingParams

@@ -12,7 +12,7 @@ import torch
 
 from ..config import PoolingConfig
 from ..errors import InvalidRequestError, WorkerFailedError
-from ..formats.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from ..kv.sessions import SessionInfo, SessionStore
 from ..layers.dry import DryBreakers
 from ..layers.linear import SHORT_PROMPT

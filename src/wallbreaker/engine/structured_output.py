@@ -36,7 +36,7 @@ from .closed_schema import closed
 if TYPE_CHECKING:
     import llguidance
 
-    from ..formats.tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
 
 # Compiled grammars kept, least recently used dropped first (each is a grammar and its lexer).
 GRAMMAR_CACHE_SIZE = 256

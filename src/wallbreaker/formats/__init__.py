@@ -31,9 +31,7 @@ def open_model(model: str | os.PathLike | None) -> ModelFiles:
     path = resolve_model_path(model)
     try:
         if path.is_dir():
-            from . import bert, hf_model
-            if bert.is_bert_folder(path):
-                return bert.read_bert_folder(path)
+            from . import hf_model
             return hf_model.read_hf_folder(path)
         from . import gguf_model
         return gguf_model.read_gguf_model(path)

@@ -10,15 +10,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, ModelConfig, short_repr
+from ..config import ConfigError, ModelConfig, PoolingConfig, short_repr
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..config import PoolingConfig
-from .chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import check_token_ids
+from ..text.wordpiece import bert_hf_tokenizer, gguf_wordpiece_tokenizer
 from .dequant import dequantize
 from .gguf_file import GGUFFile, GGUFTensor
 from .gguf_slice import block_loaders, part_loader
+from .safetensors_file import safetensors_handles, tensor_ref
 from .sentence_transformers import read_pooling_config
-from .tokenizer import Tokenizer, check_token_ids
 from .weights import ModelFiles, WeightRef
 
 _LAYER_NAMES = {
@@ -38,7 +39,6 @@ _SUFFIX = {"gamma": "weight", "beta": "bias"}
 # llama.cpp's pooling_type values (LLAMA_POOLING_TYPE_*)
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 
-
 def canonical_name(hf_name: str) -> str | None:
     """A BERT checkpoint's tensor name -> ours; None for what the encoder never reads."""
     name = hf_name.removeprefix("bert.")
@@ -52,7 +52,6 @@ def canonical_name(hf_name: str) -> str | None:
         return None if part is None else f"{part}.{_SUFFIX.get(m.group(2), m.group(2))}"
     return None
 
-
 def _config(where: str, **fields: Any) -> ModelConfig:
     try:
         return ModelConfig(architecture="bert", num_kv_heads=fields["num_heads"],
@@ -62,21 +61,10 @@ def _config(where: str, **fields: Any) -> ModelConfig:
     except (TypeError, ZeroDivisionError) as e:
         raise ModelFormatError(f"{where}: {e}") from None
 
-
-def is_bert_folder(path: Path) -> bool:
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False  # hf_model names what is wrong with it
-    return isinstance(hf, dict) and hf.get("model_type") == "bert"
-
-
 def read_bert_folder(path: Path) -> ModelFiles:
     """A Hugging Face BERT folder. Its limit is the smaller of `max_position_embeddings` and
     sentence-transformers' `max_seq_length` (what the model was trained to, and where
     sentence-transformers cuts)."""
-    from .hf_model import _safetensors_handles, _tensor_ref
-
     where = f"{path}/config.json"
     hf = json.loads((path / "config.json").read_text())
     if hf.get("position_embedding_type", "absolute") != "absolute":
@@ -89,7 +77,7 @@ def read_bert_folder(path: Path) -> ModelFiles:
     pooling, max_seq_length = read_pooling_config(path)
     if classifier:
         pooling = PoolingConfig("cls", task="score")
-    tokenizer = _hf_tokenizer(path)
+    tokenizer = bert_hf_tokenizer(path)
     context = min(hf.get("max_position_embeddings", 512), max_seq_length or 1 << 62)
     num_labels = len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2)) if classifier else 0
     config = _config(where, vocab_size=hf.get("vocab_size"), hidden_size=hf.get("hidden_size"),
@@ -99,30 +87,15 @@ def read_bert_folder(path: Path) -> ModelFiles:
                      type_vocab_size=int(hf.get("type_vocab_size", 2)), sep_token_id=tokenizer.eos_token_id,
                      num_labels=num_labels)
     weights: dict[str, WeightRef] = {}
-    for _, handle, names in _safetensors_handles(path):
+    for _, handle, names in safetensors_handles(path):
         for hf_name in names:
             name = canonical_name(hf_name)
             if name is None or (name.startswith("cls.") and not classifier):
                 continue
-            weights[name] = _tensor_ref(handle, hf_name, name, False)
+            weights[name] = tensor_ref(handle, hf_name, name)
     _check_weights(str(path), config, weights, classifier)
     check_token_ids(tokenizer, config.vocab_size, str(path), "the embedding (config.json vocab_size)")
     return ModelFiles(path, "hf", config, weights, tokenizer, ChatTemplate(None, None, None), hf)
-
-
-def _hf_tokenizer(path: Path) -> Tokenizer:
-    """BERT's WordPiece tokenizer with [CLS] text [SEP] around every text (its post-processor's
-    template; the Tokenizer adds them as BOS and EOS). Truncation is the request's to ask for."""
-    base = Tokenizer.from_hf_folder(path)
-    backend = base.backend
-    backend.no_padding()  # sentence-transformers' tokenizer.json pads to 128 and cuts at 128: we do neither
-    backend.no_truncation()
-    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
-    if cls is None or sep is None:
-        raise ModelFormatError(f"{path}/tokenizer.json: a BERT tokenizer needs [CLS] and [SEP] tokens")
-    return Tokenizer(backend, bos_token_id=cls, eos_token_id=sep, add_bos=True, add_eos=True, byte_level=False,
-                     vocab_size=base.vocab_size)
-
 
 def _check_weights(source: str, cfg: ModelConfig, weights: dict[str, WeightRef], classifier: bool) -> None:
     h, ff = cfg.hidden_size, cfg.intermediate_size
@@ -152,7 +125,6 @@ def _check_weights(source: str, cfg: ModelConfig, weights: dict[str, WeightRef],
     if weights["position_embd.weight"].shape[0] < cfg.max_position_embeddings:
         raise ModelFormatError(f"{source}: position_embd has {weights['position_embd.weight'].shape[0]} rows, "
                                f"fewer than the context ({cfg.max_position_embeddings})")
-
 
 def read_bert_gguf(gf: GGUFFile) -> ModelFiles:
     """llama.cpp's `bert` GGUF: its keys, its WordPiece vocabulary in "phantom space" form (a word's
@@ -186,46 +158,9 @@ def read_bert_gguf(gf: GGUFFile) -> ModelFiles:
     check_token_ids(tokenizer, weights["token_embd.weight"].shape[0], label, "token_embd.weight")
     return ModelFiles(gf.path, "gguf", config, weights, tokenizer, ChatTemplate(None, None, None), gf.metadata)
 
-
 def _gguf_weight(t: GGUFTensor) -> WeightRef:
     """A bert tensor as stored (no row permutation: that is llama's alone), its blocks for the kernels."""
     blocks, blocks_part = block_loaders(t, None)
     return WeightRef(t.name, t.shape, t.ggml_type.name, int(t.raw.nbytes), lambda: dequantize(t.raw, t.ggml_type, t.shape),
                      raw=t.raw, load_part=part_loader(t, None), blocks=blocks, blocks_part=blocks_part,
                      blocks_mapped=blocks is not None)
-
-
-def gguf_wordpiece_tokenizer(metadata: dict[str, Any], label: str) -> Tokenizer:
-    """The Hugging Face WordPiece tokenizer (BERT's normalizer and pre-tokenizer, [CLS] ... [SEP])
-    from llama.cpp's `bert` vocabulary. Control tokens (type 3) are kept as written."""
-    from tokenizers import Tokenizer as Backend, models, normalizers, pre_tokenizers
-
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    kinds = metadata.get("tokenizer.ggml.token_type")
-    if not isinstance(tokens, list) or not isinstance(kinds, list) or len(tokens) != len(kinds):
-        raise ModelFormatError(f"{label}: tokenizer.ggml.tokens and token_type must be arrays of the same length")
-    vocab: dict[str, int] = {}
-    for i, (tok, kind) in enumerate(zip(tokens, kinds)):
-        word = tok if kind == 3 else (tok[1:] if tok.startswith("\u2581") else "##" + tok)
-        vocab.setdefault(word, i)
-    unk_id = metadata.get("tokenizer.ggml.unknown_token_id", 100)
-    lowercase = bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True))
-    backend = Backend(models.WordPiece(vocab, unk_token=tokens[unk_id] if 0 <= unk_id < len(tokens) else "[UNK]",
-                                       max_input_chars_per_word=100))
-    backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
-                                                    lowercase=lowercase)
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    from tokenizers import AddedToken, decoders, processors
-    backend.decoder = decoders.WordPiece()
-    backend.add_special_tokens([AddedToken(t, special=True) for t, k in zip(tokens, kinds) if k == 3])
-    cls = metadata.get("tokenizer.ggml.bos_token_id")
-    sep = metadata.get("tokenizer.ggml.seperator_token_id", metadata.get("tokenizer.ggml.eos_token_id"))
-    if not (isinstance(cls, int) and isinstance(sep, int) and 0 <= cls < len(tokens) and 0 <= sep < len(tokens)):
-        raise ModelFormatError(f"{label}: a bert vocabulary needs tokenizer.ggml.bos_token_id ([CLS]) and "
-                               "seperator_token_id ([SEP])")
-    cls_text, sep_text = tokens[cls], tokens[sep]
-    backend.post_processor = processors.TemplateProcessing(single=f"{cls_text} $A {sep_text}",
-                                                           pair=f"{cls_text} $A {sep_text} $B:1 {sep_text}:1",
-                                                           special_tokens=[(cls_text, cls), (sep_text, sep)])
-    return Tokenizer(backend, bos_token_id=cls, eos_token_id=sep, add_bos=True, add_eos=True, byte_level=False,
-                     vocab_size=len(tokens))

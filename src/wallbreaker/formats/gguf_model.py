@@ -7,20 +7,18 @@ from typing import Any
 
 import torch
 
-from ..config import MAMBA2_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling, short_repr
+from ..config import ConfigError, ModelConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, UnsupportedModelError
-from .chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import Tokenizer, check_token_ids
+from .checks import check_weights, split_fused
+from .config_keys import GGUFKeys, pre_attn_scalar
 from .dequant import dequantize
+from .families import family
 from .gguf_file import GGUFFile, GGUFTensor, open_gguf
 from .gguf_slice import block_loaders, part_loader
-from . import qwen3_next, qwen3_next_weights
-from .lfm2 import gguf_layer_heads as lfm2_layer_heads
-from .names import FUSED_GATE_UP, llama_unpermute
-from .tokenizer import Tokenizer, check_token_ids
-from .weights import ModelFiles, WeightRef, check_weights, split_fused
-
-GEMMA3_SLIDING_PATTERN = 6  # every sixth layer is global, as llama.cpp and transformers assume
-GEMMA2_SLIDING_PATTERN = 2  # every second layer is global
+from .names import llama_unpermute
+from .weights import ModelFiles, WeightRef
 # Tensors that are metadata rather than weights: read into the config (RoPE frequency factors).
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 
@@ -34,7 +32,6 @@ _KNOWN_KEYS = frozenset({
     "rope.scaling.finetuned", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
     "rope.scaling.yarn_attn_factor", "attn_logit_softcapping", "final_logit_softcapping", "expert_count",
     "expert_used_count", "expert_feed_forward_length", "expert_weights_norm",
-    "shortconv.l_cache",  # LFM2
 })
 # Keys whose every value but one (or absence) changes the math: accepted at that value only.
 _NEUTRAL_KEYS = {
@@ -46,20 +43,16 @@ _NEUTRAL_KEYS = {
 
 
 def read_gguf_model(path: Path) -> ModelFiles:
+    """The file, read as its family (`general.architecture`) says: formats/families.py."""
     gf = open_gguf(path)
-    if gf.get("general.architecture") == "bert":
-        from .bert import read_bert_gguf
-        return read_bert_gguf(gf)
     label = gf.path.name
+    spec = family(gf.get("general.architecture"), label)
+    if spec.read_gguf is not None:
+        return spec.read_gguf(gf)
     config = config_from_gguf(gf)
     weights = {name: _weight_ref(t, config) for name, t in gf.tensors.items() if name not in ROPE_TENSORS}
-    if config.architecture == "phi3" and "blk.0.ffn_gate.weight" not in weights:
-        for i in range(config.num_layers):  # Phi-3's ffn_up holds gate and up, as llama.cpp stores it
-            if f"blk.{i}.ffn_up.weight" in weights:
-                ref = weights.pop(f"blk.{i}.ffn_up.weight")
-                weights[f"blk.{i}.{FUSED_GATE_UP}"] = ref
-    if config.architecture == qwen3_next.ARCH:
-        qwen3_next_weights.drop_mtp_layers(config, weights)
+    if spec.gguf_weights_fixup is not None:
+        spec.gguf_weights_fixup(config, weights)
     split_fused(label, config, weights)
     check_weights(label, config, weights)
     try:
@@ -85,24 +78,19 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     one-line ModelFormatError naming the file and the key (ModelConfig decides what is possible);
     an `<arch>.*` key we do not read is an UnsupportedModelError naming it."""
     name = gf.path.name
-    arch = gf.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{name}: unsupported architecture {short_repr(arch)} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if arch in MAMBA2_ARCHITECTURES:
-        from .mamba import mamba_config_from_gguf
-        return mamba_config_from_gguf(gf)
-    a = f"{arch}."
-    own = qwen3_next.GGUF_KEYS if arch == qwen3_next.ARCH else frozenset()
+    spec = family(gf.get("general.architecture"), name)
+    if spec.gguf_config is not None:
+        return spec.gguf_config(gf)
+    a = f"{spec.name}."
     for key in gf.metadata:
-        if not key.startswith(a) or key[len(a):] in _KNOWN_KEYS or key[len(a):] in own:
+        if not key.startswith(a) or key[len(a):] in _KNOWN_KEYS or key[len(a):] in spec.gguf_keys:
             continue
         neutral = _NEUTRAL_KEYS.get(key[len(a):], _REQUIRED)
         if neutral is _REQUIRED or gf.get(key) != neutral:
             raise UnsupportedModelError(f"{name}: metadata {key} = {short_repr(gf.get(key))} is not supported "
                                         f"(it would change the model's math)")
 
-    def raw(key: str, default: Any) -> Any:
+    def raw(key: str, default: Any = _REQUIRED) -> Any:
         value = gf.get(key, default)
         if value is _REQUIRED:
             raise ModelFormatError(f"{name}: missing metadata key {key}")
@@ -129,8 +117,8 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
     hidden = integer(a + "embedding_length")
     heads = integer(a + "attention.head_count")
     layers = integer(a + "block_count")
-    if arch == qwen3_next.ARCH:  # the converter counts the multi-token prediction layers in block_count
-        layers -= integer(a + "nextn_predict_layers", 0)
+    if spec.gguf_extra_blocks:  # e.g. the multi-token prediction layers the converter counts in block_count
+        layers -= integer(a + spec.gguf_extra_blocks, 0)
     if layers > len(gf.tensors):  # before anything is built per layer
         raise ModelFormatError(f"{name}: metadata {a}block_count is {layers} but the file has only "
                                f"{len(gf.tensors)} tensors")
@@ -140,7 +128,7 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         integer(a + "vocab_size", None) or (len(tokens) if isinstance(tokens, list) else 0))
     # head_dim defaults to hidden / heads where both are usable; else ModelConfig names the bad one
     head_dim = integer(a + "attention.key_length", hidden // heads if heads > 0 and hidden > 0 else heads)
-    partial_rope = () if arch == qwen3_next.ARCH else (("rope.dimension_count", "partial RoPE"),)
+    partial_rope = () if spec.partial_rope else (("rope.dimension_count", "partial RoPE"),)
     for key, what in (("attention.value_length", "a value head size"), *partial_rope):
         value = integer(a + key, None)
         if value is not None and value != head_dim:  # our attention has one head size, rotated whole
@@ -158,43 +146,29 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
         raise ModelFormatError(f"{name}: metadata {a}attention.sliding_window_pattern must be one true or false "
                                f"a layer ({layers}), got {short_repr(pattern)}")
     scale = number(a + "attention.scale", None)
-    if scale and arch not in ("gemma2", "gemma3"):
-        extra["query_pre_attn_scalar"] = _pre_attn_scalar(scale)
-    if arch in ("gemma2", "gemma3"):
-        # llama.cpp hardcodes the sliding pattern, local RoPE base and attention scale of Gemma;
-        # files may carry them explicitly (ours do), else its values apply.
-        every = GEMMA3_SLIDING_PATTERN if arch == "gemma3" else GEMMA2_SLIDING_PATTERN
-        layer_types = tuple("sliding" if p else "full" for p in pattern) if pattern else \
-            tuple("full" if (i + 1) % every == 0 else "sliding" for i in range(layers))
-        default_scalar = float(hidden // heads) if arch == "gemma2" and layers == 46 and heads > 0 else float(head_dim)
-        extra.update(hidden_act="gelu_tanh", qk_norm=arch == "gemma3", sandwich_norm=True, embed_scale=True,
-                     query_pre_attn_scalar=_pre_attn_scalar(scale) if scale else default_scalar,
-                     sliding_window=window or (512 if arch == "gemma3" else 4096), layer_types=layer_types,
-                     rope_local_theta=number(a + "rope.freq_base_swa", 10000.0 if arch == "gemma3" else None))
-    elif window:  # 0: none (llama.cpp's phi3 files say so)
-        extra.update(sliding_window=window, rope_local_theta=number(a + "rope.freq_base_swa", None),
-                     layer_types=tuple("sliding" if p else "full" for p in pattern) if pattern else ("sliding",) * layers)
-    elif gf.get(a + "rope.freq_base_swa") is not None:
-        raise UnsupportedModelError(f"{name}: metadata {a}rope.freq_base_swa without a sliding window is not supported")
-    if arch in ("qwen3", "qwen3moe"):
+    if scale:
+        extra["query_pre_attn_scalar"] = pre_attn_scalar(scale)
+    if spec.sliding is not None:  # else the family's gguf_fields reads its window
+        if window:  # 0: none (llama.cpp's phi3 files say so)
+            extra.update(sliding_window=window, rope_local_theta=number(a + "rope.freq_base_swa", None),
+                         layer_types=tuple("sliding" if p else "full" for p in pattern) if pattern else
+                         ("sliding",) * layers)
+        elif gf.get(a + "rope.freq_base_swa") is not None:
+            raise UnsupportedModelError(f"{name}: metadata {a}rope.freq_base_swa without a sliding window is not "
+                                        f"supported")
+    if spec.qk_norm:
         extra["qk_norm"] = True
-    if arch == "lfm2":  # its head_count_kv is one count a layer, 0 for a convolution
-        if window:
-            raise UnsupportedModelError(f"{name}: metadata {a}attention.sliding_window is not supported for lfm2")
-        kv_heads, layer_types = lfm2_layer_heads(name, a + "attention.head_count_kv",
-                                                 raw(a + "attention.head_count_kv", _REQUIRED), layers)
-        extra.update(layer_types=layer_types, qk_norm=True, conv_kernel=integer(a + "shortconv.l_cache"))
-    else:
-        kv_heads = integer(a + "attention.head_count_kv", heads)
-    if arch == qwen3_next.ARCH:
-        extra.update(qwen3_next.config_from_gguf(gf, a, layers, integer))
+    if spec.gguf_fields is not None:
+        extra.update(spec.gguf_fields(GGUFKeys(gf, name, a, integer, number, raw, hidden, heads, layers, head_dim,
+                                               window, pattern, scale)))
+    kv_heads = extra.pop("num_kv_heads") if "num_kv_heads" in extra else integer(a + "attention.head_count_kv", heads)
     experts = integer(a + "expert_count", 0)
     if experts:
         expert_ff = integer(a + "expert_feed_forward_length", None)
         extra.update(num_experts=experts, num_experts_per_tok=integer(a + "expert_used_count"),
                      expert_intermediate_size=None if expert_ff == integer(a + "feed_forward_length", None) else expert_ff,
                      norm_topk_prob=boolean(a + "expert_weights_norm", True))
-    elif arch in ("qwen3moe", qwen3_next.ARCH):
+    elif spec.requires_experts:
         raise ModelFormatError(f"{name}: missing metadata key {a}expert_count")
     keys = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
             "num_layers": "block_count", "num_heads": "attention.head_count",
@@ -205,14 +179,13 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
             "layer_types": "attention.sliding_window_pattern", "rope_local_theta": "rope.freq_base_swa",
             "attn_logit_softcap": "attn_logit_softcapping", "final_logit_softcap": "final_logit_softcapping",
             "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
-            "expert_intermediate_size": "expert_feed_forward_length", "conv_kernel": "shortconv.l_cache",
-            **qwen3_next.GGUF_FIELD_KEYS}
+            "expert_intermediate_size": "expert_feed_forward_length", **spec.gguf_field_keys}
     ff = integer(a + "feed_forward_length", None if experts else _REQUIRED)
     if ff is None:  # an MoE file may give only the experts' width
         ff = integer(a + "expert_feed_forward_length")
     try:
         return ModelConfig(
-            architecture=arch, vocab_size=vocab, hidden_size=hidden,
+            architecture=spec.name, vocab_size=vocab, hidden_size=hidden,
             intermediate_size=ff, num_layers=layers,
             num_heads=heads, num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -285,17 +258,9 @@ def _rope_scaling(gf: GGUFFile, a: str, head_dim: int, context: int, integer, nu
     return None
 
 
-def _pre_attn_scalar(scale: float) -> float:
-    """Gemma's attention scale 1/sqrt(s) -> s; an absurd scale gives a value ModelConfig refuses."""
-    try:
-        return round(scale ** -2, 3)
-    except (OverflowError, ZeroDivisionError):
-        return math.inf
-
-
 def _weight_ref(t: GGUFTensor, cfg: ModelConfig) -> WeightRef:
     heads = None
-    permuted = cfg.architecture in ("llama", "granitehybrid")  # the converter's interleaved-RoPE q/k rows
+    permuted = family(cfg.architecture).rope_permuted  # the converter's interleaved-RoPE q/k rows
     if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
         heads = cfg.num_heads
     elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):

@@ -18,9 +18,10 @@ import gguf
 import numpy as np
 import torch
 
-from wallbreaker.config import MAMBA2_ARCHITECTURES, ModelConfig, RopeScaling
+from wallbreaker.config import ModelConfig, RopeScaling
+from wallbreaker.formats.checks import layer_tensors, top_tensors
+from wallbreaker.formats.families import family
 from wallbreaker.formats.names import is_norm, llama_permute
-from wallbreaker.formats.weights import layer_tensors, top_tensors
 
 Q = gguf.GGMLQuantizationType
 
@@ -84,11 +85,13 @@ def write_gguf(
     writer.add_name(name)
     writer.add_file_type(_file_type(encoded))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if arch in MAMBA2_ARCHITECTURES:
-        from .mamba import add_mamba2_metadata
-        add_mamba2_metadata(writer, config)
+    spec = family(arch)
+    if spec.gguf_write_keys is not None:
+        spec.gguf_write_keys(writer, config)
     else:
         _add_architecture(writer, config)
+        if spec.gguf_write_more_keys is not None:
+            spec.gguf_write_more_keys(writer, config)
     for key, value in tokenizer_metadata.items():
         _add_value(writer, key, value)
     if chat_template is not None:
@@ -106,7 +109,7 @@ def write_gguf(
 
 def _to_disk(name: str, tensor: torch.Tensor, config: ModelConfig) -> np.ndarray:
     t = tensor.detach().to("cpu", torch.float32).contiguous()
-    if config.architecture in ("llama", "granitehybrid"):  # interleaved-RoPE q/k rows, as the converter writes
+    if family(config.architecture).rope_permuted:  # interleaved-RoPE q/k rows, as the converter writes
         if name.endswith(("attn_q.weight", "attn_q.bias")):
             t = llama_permute(t, config.num_heads)
         elif name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -117,7 +120,7 @@ def _to_disk(name: str, tensor: torch.Tensor, config: ModelConfig) -> np.ndarray
 def _fuse(config: ModelConfig, tensors: dict[str, np.ndarray], types: dict[str, Q]) -> dict[str, np.ndarray]:
     """Phi-3's layout: q/k/v as one `attn_qkv`, gate and up as one `ffn_up` (each stored as its
     first part's type)."""
-    if config.architecture != "phi3":
+    if not family(config.architecture).writes_fused:
         return tensors
     out = dict(tensors)
     for i in range(config.num_layers):
@@ -199,7 +202,7 @@ def _add_architecture(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
     w = writer
     # a hybrid's recurrent layers have no KV heads: one count a layer, 0 for them, as llama.cpp's LFM2 files
     # (its Qwen3-Next files keep one count, their layers' kinds in attention.recurrent_layers)
-    per_layer = c.is_recurrent and c.architecture != "qwen3next"
+    per_layer = c.is_recurrent and family(c.architecture).gguf_kv_heads_per_layer
     kv_heads = [c.num_kv_heads if c.is_attention(i) else 0 for i in range(c.num_layers)] if per_layer \
         else c.num_kv_heads
     for add, value in ((w.add_vocab_size, c.vocab_size), (w.add_context_length, c.max_position_embeddings),
@@ -249,9 +252,6 @@ def _add_architecture(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
         writer.add_expert_weights_norm(c.norm_topk_prob)
     if c.conv_kernel:
         writer.add_shortconv_l_cache(c.conv_kernel)
-    if c.architecture == "qwen3next":
-        from . import qwen3_next
-        qwen3_next.add_gguf_keys(writer, c)
 
 
 def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:

@@ -7,29 +7,22 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
-
-from ..config import MAMBA2_ARCHITECTURES, ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
+from ..config import ROPE_TYPES, ConfigError, ModelConfig, PoolingConfig, RopeScaling, short_repr
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from .chat_template import ChatTemplate
-from . import qwen3_next, qwen3_next_weights
+from ..text.chat_template import ChatTemplate
+from ..text.tokenizer import Tokenizer, check_token_ids
+from .checks import check_weights, split_fused
+from .config_keys import layer_types, number, obj, unsupported as unsupported_key
+from .families import adds_one, family, family_of_model_type, hf_expert, hf_to_canonical_table
 from .multimodal import is_multimodal, text_tensor_name
-from .lfm2 import hf_config_keys as lfm2_config_keys, squeeze_conv_weights
-from .names import GEMMA_ARCHITECTURES, adds_one, hf_expert, hf_to_canonical_table, is_derived
+from .names import is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
-from .tokenizer import Tokenizer, check_token_ids
-from .weights import ModelFiles, WeightRef, check_weights, split_fused, stacked_experts
-
-# model_type -> ModelConfig.architecture (llama.cpp's names: Mistral and Mixtral are llama)
-_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3",
-                "lfm2": "lfm2", "qwen3_next": "qwen3next"}
-_MODEL_TYPES.update({"mamba2": "mamba2", "granitemoehybrid": "granitehybrid"})  # formats/mamba.py
-_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+from .safetensors_file import safetensors_handles, tensor_ref
+from .weights import ModelFiles, WeightRef, stacked_experts
 
 
 def read_hf_folder(path: Path) -> ModelFiles:
+    """The folder, read as its family (config.json `model_type`) says: formats/families.py."""
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ModelNotFoundError(f"{path}: not a model folder (no config.json)")
@@ -40,13 +33,16 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if not isinstance(hf, dict):
         raise ModelFormatError(f"{cfg_path}: config.json is not a JSON object")
     multimodal = is_multimodal(hf)  # its decoder read here, its vision side by wallbreaker.vision
-    if hf.get("model_type") == "gemma3" and "text_config" in hf:
+    spec = family_of_model_type(hf.get("model_type"), str(path))
+    if spec.read_folder is not None:
+        return spec.read_folder(path)
+    if spec.hf_text_config and "text_config" in hf:
         if not isinstance(hf["text_config"], dict):
             raise ModelFormatError(f"{cfg_path}: text_config is not a JSON object")
-        hf = {**hf["text_config"], "model_type": "gemma3_text"}
+        hf = {**hf["text_config"], "model_type": spec.hf_model_types[0]}
     config = config_from_hf(hf, path)
     config = with_pooling(config, path, hf)
-    handles = _safetensors_handles(path)
+    handles = safetensors_handles(path)
     n_tensors = sum(len(names) for _, _, names in handles)
     if config.num_layers > n_tensors:
         raise ModelFormatError(f"{cfg_path}: num_hidden_layers is {config.num_layers} but the folder has only "
@@ -56,10 +52,8 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if quantized:
         weights.update(read_quantized_weights(path, config, hf["quantization_config"]))
     split_fused(str(path), config, weights)
-    if config.architecture == "lfm2":
-        squeeze_conv_weights(weights)
-    if config.architecture == qwen3_next.ARCH:
-        qwen3_next_weights.canonical_hf_weights(str(path), config, weights)
+    if spec.hf_weights_fixup is not None:
+        spec.hf_weights_fixup(str(path), config, weights)
     check_weights(str(path), config, weights)
     tokenizer = Tokenizer.from_hf_folder(path)
     check_token_ids(tokenizer, config.vocab_size, str(path), "the embedding (config.json vocab_size)")
@@ -102,9 +96,8 @@ _HF_KEYS = {
     "eos_token_ids": "eos_token_id", "attn_logit_softcap": "attn_logit_softcapping",
     "final_logit_softcap": "final_logit_softcapping", "num_experts": "num_local_experts",
     "num_experts_per_tok": "num_experts_per_tok", "expert_intermediate_size": "moe_intermediate_size",
-    "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act", "conv_kernel": "conv_L_cache",
+    "norm_topk_prob": "norm_topk_prob", "hidden_act": "hidden_act",
 }
-_HF_KEYS.update(qwen3_next.HF_FIELD_KEYS)
 _REQUIRED = object()
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # RoPE parameters we read; any other key in them changes the rotation in a way we do not run.
@@ -116,17 +109,12 @@ _ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_m
 
 def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     where = f"{path}/config.json"
-    model_type = hf.get("model_type") if isinstance(hf.get("model_type"), str) else None
-    arch = _MODEL_TYPES.get(model_type)
-    if arch is None:
-        raise UnsupportedModelError(f"{path}: unsupported model_type {short_repr(hf.get('model_type'))} "
-                                    f"(supported: {', '.join(_MODEL_TYPES)})")
-    if arch in MAMBA2_ARCHITECTURES:
-        from .mamba import mamba_config_from_hf
-        return mamba_config_from_hf(hf, path, arch)
-    arch_fields: dict[str, Any] = {}  # what only this architecture has
-    if arch == "lfm2":  # its keys renamed to the others' (before the readers below bind `hf`)
-        hf, arch_fields = lfm2_config_keys(hf, where)
+    spec = family_of_model_type(hf.get("model_type"), str(path))
+    if spec.hf_config is not None:
+        return spec.hf_config(hf, path, spec.name)
+    arch_fields: dict[str, Any] = {}  # what only this family has
+    if spec.hf_keys is not None:  # its keys renamed to the others' (before the readers below bind `hf`)
+        hf, arch_fields = spec.hf_keys(hf, where)
 
     def get(key: str, default: Any = _REQUIRED, within: dict[str, Any] = hf) -> Any:
         value = within.get(key, default)
@@ -134,24 +122,14 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
             raise ModelFormatError(f"{where}: missing key {key!r}")
         return value
 
-    def obj(key: str, within: dict[str, Any] = hf) -> dict[str, Any]:
-        value = within.get(key) or {}
-        if not isinstance(value, dict):
-            raise ModelFormatError(f"{where}: {key} must be a JSON object, got {short_repr(value)}")
-        return value
-
-    def number(key: str, default: Any, within: dict[str, Any] = hf) -> Any:
-        value = within.get(key, default)
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-
     def unsupported(what: str) -> UnsupportedModelError:
-        return UnsupportedModelError(f"{where}: {what} is not supported")
+        return unsupported_key(where, what)
 
-    _refuse_unimplemented(qwen3_next.without_own_keys(hf) if arch == qwen3_next.ARCH else hf, unsupported)
-    rope = obj("rope_parameters")
-    global_rope = obj("full_attention", rope) if "full_attention" in rope else rope
-    local_rope = obj("sliding_attention", rope)
-    scaling = obj("rope_scaling") if hf.get("rope_scaling") else global_rope
+    _refuse_unimplemented(_without(hf, spec.hf_own_keys), unsupported)
+    rope = obj(hf, "rope_parameters", where)
+    global_rope = obj(rope, "full_attention", where) if "full_attention" in rope else rope
+    obj(rope, "sliding_attention", where)  # read by the families that have one (Gemma 3); checked for all
+    scaling = obj(hf, "rope_scaling", where) if hf.get("rope_scaling") else global_rope
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
     head_dim = hf.get("head_dim")
@@ -162,58 +140,40 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     rope_scaling = _rope_scaling(scaling, hf, max_positions, where, unsupported)
     eos = hf.get("eos_token_id")
     layers = get("num_hidden_layers")
-    gemma = arch in GEMMA_ARCHITECTURES
-    act_key = "hidden_activation" if gemma and hf.get("hidden_activation") is not None else "hidden_act"
-    act = hf.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+    act_key = next((k for k in spec.hf_act_keys[:-1] if hf.get(k) is not None), spec.hf_act_keys[-1])
+    act = hf.get(act_key, spec.hf_act)
     if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise unsupported(f"{act_key} {short_repr(act)}")
     extra: dict[str, Any] = dict(hidden_act=_ACTIVATIONS[act],
-                                 attn_logit_softcap=number("attn_logit_softcapping", None),
-                                 final_logit_softcap=number("final_logit_softcapping", None))
-    if gemma:
-        extra.update(sandwich_norm=True, embed_scale=True, qk_norm=arch == "gemma3",
-                     query_pre_attn_scalar=number("query_pre_attn_scalar", 256.0 if arch == "gemma2" else
-                                                  hf.get("head_dim", 256)),
-                     sliding_window=hf.get("sliding_window", 4096 if arch == "gemma2" else None),
-                     layer_types=_layer_types(hf, layers, where, "alternate" if arch == "gemma2" else "none"))
-        if arch == "gemma3":
-            extra["rope_local_theta"] = number("rope_theta", number("rope_local_base_freq", 10000.0), local_rope)
-    elif hf.get("sliding_window") is not None and not (arch in ("qwen2", "qwen3", "qwen3moe")
-                                                       and not hf.get("use_sliding_window")):
+                                 attn_logit_softcap=number(hf, "attn_logit_softcapping", None),
+                                 final_logit_softcap=number(hf, "final_logit_softcapping", None))
+    if spec.sliding is not None and hf.get("sliding_window") is not None and \
+            (spec.sliding != "max_window_layers" or hf.get("use_sliding_window")):
         # Mistral, Mixtral and Phi-3 slide every layer; Qwen only with use_sliding_window, from max_window_layers
-        extra.update(sliding_window=hf.get("sliding_window"),
-                     layer_types=_layer_types(hf, layers, where, "qwen" if arch.startswith("qwen") else "all"))
-    if arch in ("qwen3", "qwen3moe"):
+        extra.update(sliding_window=hf.get("sliding_window"), layer_types=layer_types(hf, layers, where, spec.sliding))
+    if spec.qk_norm:
         extra["qk_norm"] = True
-    if arch == qwen3_next.ARCH:
-        extra.update(qwen3_next.config_from_hf(hf, where, unsupported))
-    if model_type == "mixtral":
-        extra.update(num_experts=hf.get("num_local_experts"), num_experts_per_tok=hf.get("num_experts_per_tok"))
-    if arch == "qwen3moe":
-        _refuse_dense_layers(hf, layers, unsupported)
-        extra.update(num_experts=hf.get("num_experts", hf.get("num_local_experts")),
-                     num_experts_per_tok=hf.get("num_experts_per_tok"),
-                     expert_intermediate_size=hf.get("moe_intermediate_size"),
-                     norm_topk_prob=hf.get("norm_topk_prob", False))
+    if spec.hf_fields is not None:
+        extra.update(spec.hf_fields(hf, where))
     extra.update(arch_fields)
     try:
         return ModelConfig(
-            architecture=arch, vocab_size=get("vocab_size"), hidden_size=hidden,
+            architecture=spec.name, vocab_size=get("vocab_size"), hidden_size=hidden,
             intermediate_size=get("intermediate_size"), num_layers=layers, num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=number("rms_norm_eps", 1e-6),
-            rope_theta=number("rope_theta", number("rope_theta", 10000.0), global_rope),
+            rms_norm_eps=number(hf, "rms_norm_eps", 1e-6),
+            rope_theta=number(global_rope, "rope_theta", number(hf, "rope_theta", 10000.0)),
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
-            qkv_bias=hf.get("attention_bias", arch == "qwen2"),
+            tie_word_embeddings=hf.get("tie_word_embeddings", spec.tied_embeddings),
+            qkv_bias=hf.get("attention_bias", spec.qkv_bias),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             **extra)
     except ConfigError as e:
         qwen_experts = e.field == "num_experts" and "num_experts" in hf  # transformers 4's name for Qwen3-MoE
-        key = "num_experts" if qwen_experts else _HF_KEYS.get(e.field, e.field)
+        key = "num_experts" if qwen_experts else {**_HF_KEYS, **spec.hf_field_keys}.get(e.field, e.field)
         raise ModelFormatError(f"{where}: {key}: {e}") from None
 
 
@@ -231,34 +191,15 @@ def _refuse_unimplemented(hf: dict[str, Any], unsupported) -> None:
             raise unsupported(f"{key} {short_repr(hf[key])}")
 
 
-def _refuse_dense_layers(hf: dict[str, Any], layers: Any, unsupported) -> None:
-    """Qwen3-MoE may make some layers dense (mlp_only_layers, decoder_sparse_step); ours are all sparse."""
-    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-    if step not in (1, None):
-        raise unsupported(f"decoder_sparse_step {short_repr(step)} (dense layers between sparse ones)")
-    if only:
-        raise unsupported(f"mlp_only_layers {short_repr(only)} (dense layers between sparse ones)")
-
-
-def _layer_types(hf: dict[str, Any], layers: Any, where: str, default: str) -> tuple[str, ...]:
-    """Per layer "sliding" | "full": config.json's `layer_types`, else the architecture's rule."""
-    given = hf.get("layer_types")
-    if given is not None:
-        if not isinstance(given, list):
-            raise ModelFormatError(f"{where}: layer_types must be a list, got {short_repr(given)}")
-        for t in given:
-            if t not in ("sliding_attention", "full_attention"):
-                raise UnsupportedModelError(f"{where}: layer type {short_repr(t)} is not supported")
-        return tuple("sliding" if t == "sliding_attention" else "full" for t in given)
-    if default == "none" or not isinstance(layers, int) or isinstance(layers, bool) or not 0 < layers <= 1 << 20:
-        return ()
-    if default == "alternate":  # Gemma 2: even layers slide
-        return tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
-    if default == "qwen":  # layers from max_window_layers on slide
-        first = hf.get("max_window_layers", layers)
-        first = first if isinstance(first, int) and not isinstance(first, bool) else layers
-        return tuple("sliding" if i >= first else "full" for i in range(layers))
-    return ("sliding",) * layers
+def _without(hf: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
+    """config.json less `keys` (at the top and in the RoPE parameters): those its family reads itself,
+    for the common refusals of the rest."""
+    if not keys:
+        return hf
+    hf = {k: v for k, v in hf.items() if k not in keys}
+    if isinstance(hf.get("rope_parameters"), dict):
+        hf["rope_parameters"] = {k: v for k, v in hf["rope_parameters"].items() if k not in keys}
+    return hf
 
 
 def _float_list(value: Any, key: str, where: str) -> tuple[float, ...]:
@@ -322,29 +263,13 @@ def _rope_scaling(scaling: dict[str, Any], hf: dict[str, Any], max_positions: An
         raise ModelFormatError(f"{where}: rope_parameters: {e}") from None
 
 
-def _safetensors_handles(path: Path) -> list[tuple[Path, Any, list[str]]]:
-    """(file, handle, tensor names) of every *.safetensors file: only their headers are read."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{path}: no *.safetensors files")
-    handles = []
-    for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt")
-            names = list(handle.keys())
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ModelFormatError(f"{file.name}: unreadable safetensors file: {e}") from None
-        handles.append((file, handle, names))
-    return handles
-
-
 def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path, Any, list[str]]],
                          quantized: bool = False, multimodal: bool = False) -> dict[str, WeightRef]:
     """Canonical WeightRefs of the folder's tensors. A tensor no table entry names is refused
     (the quantized parts of a wallbreaker-quantized folder are read by quantized_hf)."""
-    if cfg.architecture in MAMBA2_ARCHITECTURES:
-        from .mamba import mamba_hf_weights
-        return mamba_hf_weights(path, cfg, handles)
+    spec = family(cfg.architecture)
+    if spec.hf_weights is not None:
+        return spec.hf_weights(path, cfg, handles)
     table = hf_to_canonical_table(cfg.architecture, cfg.num_layers, cfg.is_moe)
     weights: dict[str, WeightRef] = {}
     experts: dict[str, dict[int, WeightRef]] = {}
@@ -356,12 +281,12 @@ def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path,
             name = table.get(text_name)
             expert = hf_expert(cfg.architecture, hf_name) if name is None and cfg.is_moe else None
             if name is None and expert is None:
-                if is_derived(hf_name) or qwen3_next.is_mtp(cfg.architecture, hf_name) or (
+                if is_derived(hf_name) or hf_name.startswith(spec.hf_unread) or (
                         quantized and hf_name.rsplit(".", 1)[-1] in QUANTIZED_PARTS):
                     continue
                 raise ModelFormatError(f"{file.name}: tensor {hf_name!r} is not used by the {cfg.architecture} "
                                        f"architecture; refusing to run the model without it")
-            ref = _tensor_ref(handle, hf_name, name or hf_name, name is not None and adds_one(cfg.architecture, name))
+            ref = tensor_ref(handle, hf_name, name or hf_name, name is not None and adds_one(cfg.architecture, name))
             if expert is None:
                 weights[name] = ref
             else:
@@ -378,37 +303,6 @@ def _safetensors_weights(path: Path, cfg: ModelConfig, handles: list[tuple[Path,
     elif "output.weight" not in weights:
         raise ModelFormatError(f"{path}: config says untied output head but lm_head.weight is missing")
     return weights
-
-
-def _tensor_ref(handle, hf_name: str, name: str, add_one: bool) -> WeightRef:
-    sl = handle.get_slice(hf_name)
-    dtype = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(sl.get_dtype(), "float32"))
-    shape = tuple(sl.get_shape())
-    return WeightRef(name, shape, _DTYPE_NAMES.get(dtype, sl.get_dtype()), _numel(shape) * dtype.itemsize,
-                     _loader(handle, hf_name, add_one), load_part=_part_loader(handle, hf_name, add_one))
-
-
-def _loader(handle, hf_name: str, add_one: bool):
-    def load() -> torch.Tensor:
-        w = handle.get_tensor(hf_name).float()
-        return w + 1.0 if add_one else w
-    return load
-
-
-def _part_loader(handle, hf_name: str, add_one: bool):
-    """Rows or columns read through `get_slice`: only those bytes come off the disk."""
-    def load_part(dim: int, lo: int, hi: int) -> torch.Tensor:
-        sl = handle.get_slice(hf_name)
-        w = (sl[lo:hi] if dim == 0 else sl[:, lo:hi]).float()
-        return w + 1.0 if add_one else w
-    return load_part
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _chat_template_source(path: Path) -> str | None:

@@ -15,24 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig, RopeScaling
-from .names import FUSED_GATE_UP, FUSED_QKV, GEMMA_ARCHITECTURES, hf_expert_name, hf_to_canonical_table, is_norm
-from .tokenizer import Tokenizer
-
-_ARCH = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
-         "mixtral": ("mixtral", "MixtralForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-         "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-         "phi3": ("phi3", "Phi3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM"),
-         "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
-
-
-def _family(c: ModelConfig) -> str:
-    """Which transformers class a config is: llama with experts is Mixtral, with a window Mistral."""
-    if c.architecture == "llama" and c.is_moe:
-        return "mixtral"
-    if c.architecture == "llama" and c.sliding_window is not None:
-        return "mistral"
-    return c.architecture
-
+from ..text.tokenizer import Tokenizer
+from .families import adds_one, family, hf_expert_name, hf_to_canonical_table
+from .names import FUSED_GATE_UP, FUSED_QKV
 
 def rope_parameters(theta: float, s: RopeScaling | None) -> dict[str, Any]:
     """transformers' `rope_parameters` for plain RoPE or a scaling.
@@ -61,45 +46,22 @@ def rope_parameters(theta: float, s: RopeScaling | None) -> dict[str, Any]:
 
 
 def hf_config(c: ModelConfig) -> dict[str, Any]:
-    family = _family(c)
-    model_type, cls = _ARCH[family]
-    rope = rope_parameters(c.rope_theta, c.rope_scaling)
+    """config.json of `c`: the keys every family has, then its own (its spec's `hf_write`)."""
+    spec = family(c.architecture)
+    if spec.hf_write is None:
+        raise ValueError(f"a {c.architecture} model cannot be written as a Hugging Face folder")
+    model_type = spec.hf_model_type(c) if spec.hf_model_type is not None else next(iter(spec.hf_classes))
     hf: dict[str, Any] = {
-        "architectures": [cls], "model_type": model_type, "vocab_size": c.vocab_size,
+        "architectures": [spec.hf_classes[model_type]], "model_type": model_type, "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
         "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
         "bos_token_id": c.bos_token_id,
         "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) > 1 else next(iter(c.eos_token_ids), None),
-        "dtype": "float32", "rope_parameters": rope, "attention_bias": c.qkv_bias,
+        "dtype": "float32", "rope_parameters": rope_parameters(c.rope_theta, c.rope_scaling), "attention_bias": c.qkv_bias,
     }
-    if c.architecture in GEMMA_ARCHITECTURES:
-        hf.update({"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": c.query_pre_attn_scalar,
-                   "sliding_window": c.sliding_window, "layer_types": [f"{t}_attention" for t in c.layer_types],
-                   "attn_logit_softcapping": c.attn_logit_softcap,
-                   "final_logit_softcapping": c.final_logit_softcap})
-        if c.architecture == "gemma3":
-            hf["rope_parameters"] = {"full_attention": rope,
-                                     "sliding_attention": {"rope_theta": c.rope_local_theta, "rope_type": "default"}}
-        return hf
-    hf["hidden_act"] = c.hidden_act
-    if c.sliding_window is not None:
-        hf.update(sliding_window=c.sliding_window, layer_types=[f"{t}_attention" for t in c.layer_types])
-        if c.architecture.startswith("qwen"):
-            hf["use_sliding_window"] = True
-    elif c.architecture.startswith("qwen") or c.architecture == "phi3":
-        hf.update(use_sliding_window=False, sliding_window=None)
-    if c.architecture == "phi3" and c.rope_scaling is not None and c.rope_scaling.kind == "longrope":
-        hf["original_max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings
-    if family == "mixtral":
-        if not c.norm_topk_prob:
-            raise ValueError("Mixtral always renormalizes its top-k router weights (norm_topk_prob)")
-        hf.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
-    elif c.architecture == "qwen3moe":
-        hf.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-                  moe_intermediate_size=c.expert_ffn, norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1,
-                  mlp_only_layers=[])
+    spec.hf_write(c, hf)
     return hf
 
 
@@ -112,7 +74,7 @@ def canonical_to_hf(config: ModelConfig) -> dict[str, str]:
 def hf_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """A canonical float tensor as Hugging Face stores it."""
     t = tensor.detach().float().contiguous()
-    return t - 1.0 if config.architecture in GEMMA_ARCHITECTURES and is_norm(name) else t
+    return t - 1.0 if adds_one(config.architecture, name) else t
 
 
 def hf_state(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,7 +85,7 @@ def hf_state(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str,
     for i in range(config.num_layers):
         p = f"blk.{i}."
         fused = ((FUSED_QKV, ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
-                 (FUSED_GATE_UP, ("ffn_gate.weight", "ffn_up.weight"))) if config.architecture == "phi3" else ()
+                 (FUSED_GATE_UP, ("ffn_gate.weight", "ffn_up.weight"))) if family(config.architecture).writes_fused else ()
         for whole, parts in fused:
             if all(p + n in tensors for n in parts):
                 state[names[p + whole]] = torch.cat([tensors.pop(p + n).float() for n in parts]).contiguous()

@@ -1,5 +1,5 @@
-"""LFM2's files: its config.json keys, its tensor names, and its GGUF metadata, as the loaders
-(hf_model.py, gguf_model.py, names.py, weights.py) read them.
+"""LFM2's files: its config.json keys, its tensor names, and its GGUF metadata, as its entry in
+formats/families.py has the loaders read them.
 
 - The FFN width: transformers' Lfm2MLP (and llama.cpp's converter) take `intermediate_size` (or
   `block_ff_dim`) and, with `block_auto_adjust_ff_dim`, use int(2/3 of it) times
@@ -17,6 +17,7 @@ from typing import Any
 
 from ..config import short_repr
 from ..errors import ModelFormatError, UnsupportedModelError
+from .config_keys import GGUFKeys
 
 FINAL_NORM = "token_embd_norm.weight"
 DEFAULT_ROPE_THETA = 1000000.0  # Lfm2Config.default_theta, where config.json gives none
@@ -97,7 +98,7 @@ def hf_tensor_names(num_layers: int) -> dict[str, str]:
     return table
 
 
-def squeeze_conv_weights(weights: dict) -> None:
+def squeeze_conv_weights(source: str, cfg: Any, weights: dict) -> None:
     """A folder's [channels, 1, kernel] convolution weights presented as GGUF's [channels, kernel]."""
     for name, ref in list(weights.items()):
         if name.endswith("shortconv.conv.weight") and len(ref.shape) == 3 and ref.shape[1] == 1:
@@ -124,3 +125,13 @@ def gguf_layer_heads(name: str, key: str, value: Any, layers: int) -> tuple[int,
                                     f"({sorted(counts)}) are not supported")
     return (counts.pop() if counts else 1), tuple("full" if v else "conv" for v in value)
 
+
+def gguf_fields(k: GGUFKeys) -> dict[str, Any]:
+    """The ModelConfig fields of an `lfm2` GGUF beyond the common ones: its head_count_kv is one count
+    a layer, 0 for a convolution."""
+    if k.window:
+        raise UnsupportedModelError(f"{k.name}: metadata {k.a}attention.sliding_window is not supported for lfm2")
+    kv_heads, layer_types = gguf_layer_heads(k.name, k.a + "attention.head_count_kv", k.raw(k.a + "attention.head_count_kv"),
+                                             k.layers)
+    return dict(num_kv_heads=kv_heads, layer_types=layer_types, qk_norm=True,
+                conv_kernel=k.integer(k.a + "shortconv.l_cache"))

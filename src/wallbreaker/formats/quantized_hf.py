@@ -26,7 +26,7 @@ from ..config import ModelConfig, short_repr
 from ..errors import ModelFormatError
 from .grid import QuantizedTensor
 from .packing import pack_codes, packed_row_bytes, unpack_codes
-from .names import hf_to_canonical_table
+from .families import hf_to_canonical_table
 from .weights import WeightRef
 
 QUANT_METHOD = "wallbreaker"

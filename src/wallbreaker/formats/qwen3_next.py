@@ -17,8 +17,8 @@ import torch
 
 from ..config import ModelConfig, short_repr
 from ..errors import ModelFormatError
-
-ARCH = "qwen3next"
+from .config_keys import GGUFKeys, unsupported
+from .names import is_norm
 
 # llama.cpp's `qwen3next.*` metadata keys read here (beside the generic ones).
 GGUF_KEYS = frozenset({"nextn_predict_layers", "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
@@ -33,13 +33,14 @@ GGUF_FIELD_KEYS = {"rotary_dim": "rope.dimension_count", "linear_conv_kernel": "
                    "linear_key_head_dim": "ssm.state_size", "linear_value_head_dim": "ssm.inner_size",
                    "linear_num_key_heads": "ssm.group_count", "linear_num_value_heads": "ssm.time_step_rank",
                    "shared_expert_intermediate_size": "expert_shared_feed_forward_length"}
+# config.json keys the common reader refuses (partial RoPE, a shared expert) that `config_from_hf` reads
+HF_OWN_KEYS = frozenset({"partial_rotary_factor", "shared_expert_intermediate_size"})
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # transformers' and llama.cpp's: every fourth layer has attention
 
 
-def is_mtp(architecture: str, hf_name: str) -> bool:
-    """A tensor of Qwen3-Next's multi-token prediction head (`mtp.*`): a draft for speculation that
-    the model's own output never reads (transformers skips them too); left unread."""
-    return architecture == ARCH and hf_name.startswith("mtp.")
+def norm_adds_one(name: str) -> bool:
+    """Every RMSNorm weight is stored as w and applied as 1 + w, but the delta net's gated one."""
+    return is_norm(name) and not name.endswith("ssm_norm.weight")
 
 
 def qkvz_rows(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,26 +84,17 @@ def _layer_types_from(recurrent: list[bool]) -> tuple[str, ...]:
     return tuple("linear_attention" if r else "full" for r in recurrent)
 
 
-def without_own_keys(hf: dict[str, Any]) -> dict[str, Any]:
-    """config.json less the keys that the generic reader refuses and `config_from_hf` reads here
-    (partial RoPE, the shared expert), for the generic refusals of the rest."""
-    hf = {k: v for k, v in hf.items() if k not in ("partial_rotary_factor", "shared_expert_intermediate_size")}
-    if isinstance(hf.get("rope_parameters"), dict):
-        hf["rope_parameters"] = {k: v for k, v in hf["rope_parameters"].items() if k != "partial_rotary_factor"}
-    return hf
-
-
-def config_from_hf(hf: dict[str, Any], where: str, unsupported) -> dict[str, Any]:
+def config_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """The ModelConfig fields of a Qwen3-Next config.json beyond the generic ones."""
     if hf.get("attention_bias"):
-        raise unsupported("attention_bias true (Qwen3-Next's projections have no biases)")
+        raise unsupported(where, "attention_bias true (Qwen3-Next's projections have no biases)")
     layers = hf.get("num_hidden_layers")
     step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
     if step not in (1, None) or only:
-        raise unsupported(f"dense MLP layers (decoder_sparse_step {short_repr(step)}, mlp_only_layers "
+        raise unsupported(where, f"dense MLP layers (decoder_sparse_step {short_repr(step)}, mlp_only_layers "
                           f"{short_repr(only)}); every layer's MLP must be the mixture of experts")
     if not hf.get("num_experts"):
-        raise unsupported(f"num_experts {short_repr(hf.get('num_experts'))} (a Qwen3-Next without experts)")
+        raise unsupported(where, f"num_experts {short_repr(hf.get('num_experts'))} (a Qwen3-Next without experts)")
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     head_dim = hf.get("head_dim")
@@ -137,9 +129,9 @@ def config_from_hf(hf: dict[str, Any], where: str, unsupported) -> dict[str, Any
                 shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 512))
 
 
-def config_from_gguf(gf, a: str, layers: int, integer) -> dict[str, Any]:
+def config_from_gguf(k: GGUFKeys) -> dict[str, Any]:
     """The ModelConfig fields of a `qwen3next` GGUF beyond the generic ones."""
-    name = gf.path.name
+    gf, name, a, layers, integer = k.gf, k.name, k.a, k.layers, k.integer
     recurrent = gf.get(a + "attention.recurrent_layers")
     blocks = layers + integer(a + "nextn_predict_layers", 0)  # the MTP layers have their entries too
     if recurrent is not None:
@@ -172,5 +164,5 @@ def add_gguf_keys(writer, c: ModelConfig) -> None:
     writer.add_ssm_group_count(c.linear_num_key_heads)
     writer.add_ssm_time_step_rank(c.linear_num_value_heads)
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
-    writer.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    writer.add_array(f"{c.architecture}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
     writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)

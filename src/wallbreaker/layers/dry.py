@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..formats.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 
 FLOAT_MAX_LOG = 88.7228391  # log(float32 max): base ** exponent is clamped below it, as llama.cpp does

@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..kernels.blocks import random_blocks
 from ..formats.gguf_file import open_gguf
 from ..formats.gguf_writer import write_gguf
-from ..formats.weights import layer_tensors, top_tensors
+from ..formats.checks import layer_tensors, top_tensors
 
 Q = gguf.GGMLQuantizationType
 SCHEMES = ("q8_0", "q4_k_m")

@@ -1,40 +1,34 @@
-"""Architectures, built from `layers/`. `build_model` picks one from the config."""
+"""Architectures, built from `layers/`. `build_model` builds the class the config's family names."""
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..formats import ModelFiles
+from ..formats.families import family
 from ..formats.packaged import cache_dir
 from ..kernels import tuning
 from ..kernels.repack_cache import RepackCache, source_identity
 from ..layers.shard import Shard
 from .base import CausalLM
-from .bert import BertModel
-from .gemma import GemmaCausalLM
-from .granite_hybrid import GraniteHybridCausalLM
-from .lfm2 import Lfm2CausalLM
-from .llama import LlamaCausalLM
-from .mamba2 import Mamba2CausalLM
-from .qwen3_next import Qwen3NextCausalLM
 from .source import WeightSource
 
-_ARCHITECTURES: dict[str, type[CausalLM]] = {
-    "llama": LlamaCausalLM, "qwen2": LlamaCausalLM, "qwen3": LlamaCausalLM, "qwen3moe": LlamaCausalLM,
-    "phi3": LlamaCausalLM, "gemma2": GemmaCausalLM, "gemma3": GemmaCausalLM, "bert": BertModel,
-    "lfm2": Lfm2CausalLM,
-    "qwen3next": Qwen3NextCausalLM,
-}  # mixtures of experts (Mixtral is llama, Qwen3-MoE qwen3moe) swap the MLP: models/moe.py
-_ARCHITECTURES.update({"mamba2": Mamba2CausalLM, "granitehybrid": GraniteHybridCausalLM})
+
+def model_class(architecture: str) -> type[CausalLM]:
+    """The class its family's spec names (formats/families.py `ArchSpec.model`: "module.Class" here)."""
+    module, cls = family(architecture).model.rsplit(".", 1)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
 def generates(architecture: str) -> bool:
     """Whether the architecture decodes text (an encoder such as BERT only pools)."""
-    return getattr(_ARCHITECTURES[architecture], "can_generate", True)
+    return getattr(model_class(architecture), "can_generate", True)
 
 
 def build_model(config: ModelConfig, source: WeightSource) -> CausalLM:
-    model = _ARCHITECTURES[config.architecture](config, source).eval()
+    model = model_class(config.architecture)(config, source).eval()
     if config.pooling is not None and getattr(model, "pooler", None) is None:  # a decoder pooling model
         from ..layers.pooling import Pooler
         head = None

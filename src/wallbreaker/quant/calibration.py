@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidRequestError
-from ..formats.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 # The repository's `../shared/data` (next to the project root), where WikiText-2 lives.
 _REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequestError
+from ..formats.families import family
 from ..formats.gguf_writer import write_gguf
 from ..formats.hf_writer import canonical_to_hf, write_hf_folder
 from ..formats.names import llama_permute
 from ..formats.quantized_hf import QUANT_METHOD, quantized_state
-from ..formats.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from ..formats.grid import QuantizedTensor
 from .pipeline import QuantizedModel, QuantizeConfig
 
@@ -88,7 +89,7 @@ def _disk_rows(name: str, q: QuantizedTensor, qm: QuantizedModel) -> QuantizedTe
     """llama.cpp's row order: q/k rows of `llama` files are permuted (see gguf_writer)."""
     c = qm.config
     heads = {"attn_q.weight": c.num_heads, "attn_k.weight": c.num_kv_heads}.get(name.split(".", 2)[-1])
-    if c.architecture != "llama" or heads is None:
+    if not family(c.architecture).rope_permuted or heads is None:
         return q
     zeros = None if q.zeros is None else llama_permute(q.zeros, heads)
     return QuantizedTensor(llama_permute(q.codes, heads), llama_permute(q.scales, heads), zeros, q.bits,

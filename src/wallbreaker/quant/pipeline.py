@@ -23,6 +23,7 @@ from .awq import AWQConfig, search_clip, search_scales
 from .calibration import InputStats, calibration_sequences, capture_inputs, read_calibration_text
 from .fold import fold_scales, folded_tensor_names, read_folded, tie_heads
 from .gptq import GPTQConfig, PreparedHessian, gptq_quantize, prepare_hessian
+from ..formats.families import family
 from ..formats.grid import QuantGrid, QuantizedTensor
 from .layerwise import LayerRunner, LinearGroup, linear_groups
 from .mixed import allocate_bits, average_bits, candidate_bits
@@ -98,8 +99,8 @@ def quantize_model(llm, cfg: QuantizeConfig, progress: bool = True, keep_rtn_sou
     """Quantize `llm` (an `LLM` loaded with dtype="float32") in place and return the result."""
     model = llm.model
     mc: ModelConfig = llm.model_config
-    if mc.is_moe or mc.architecture == "phi3":
-        raise InvalidRequestError(f"quantize does not support {'mixtures of experts' if mc.is_moe else 'phi3'} "
+    if mc.is_moe or family(mc.architecture).writes_fused:
+        raise InvalidRequestError(f"quantize does not support {'mixtures of experts' if mc.is_moe else mc.architecture} "
                                   "(fused or expert tensors); quantize with llama.cpp, whose GGUF files load here")
     names = [name for i in range(mc.num_layers) for g in linear_groups(model, i) for name, _, _ in g.parts]
     plan = dict.fromkeys(names, int(cfg.bits))

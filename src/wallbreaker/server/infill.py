@@ -1,7 +1,7 @@
 """POST /infill: llama.cpp's code-infilling route, as editor plugins (llama.vscode, llama.vim) call it.
 
 `input_prefix` and `input_suffix` frame the hole, `input_extra` ({filename, text} chunks) adds other
-files, `prompt` continues the prefix; the prompt is laid out by formats/fim.py with the model's FIM
+files, `prompt` continues the prefix; the prompt is laid out by text/fim.py with the model's FIM
 tokens (a model without them is a 400 naming the reason). The other fields are llama.cpp's
 /completion options, with its defaults; the answer is its /completion shape (`content`, `stop`,
 `tokens_predicted`, ...), streamed as `data: {...}` events without a closing [DONE].
@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.client import EngineRequest, RequestOutput
 from ..errors import InvalidRequestError
-from ..formats.fim import ExtraFile
+from ..text.fim import ExtraFile
 from ..sampling_params import SamplingParams
 from .access_log import AccessRecord
 from .async_engine import RequestHandle

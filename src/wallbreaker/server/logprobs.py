@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..formats.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from .responses import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 TopList = Sequence[tuple[int, float]]

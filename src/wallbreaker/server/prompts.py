@@ -10,7 +10,7 @@ import dataclasses
 import json
 
 from ..errors import InvalidRequestError
-from ..formats.fim import ExtraFile, FimTokens
+from ..text.fim import ExtraFile, FimTokens
 from ..llm import as_prompt_list
 from ..sampling_params import SamplingParams
 from .errors import bad_request
@@ -46,7 +46,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_
 
 
 def fim_prompts(state: ServerState, prompt: str | list, suffix: str) -> list[Encoded]:
-    """Completions' prompts as the prefixes of fill-in-the-middle prompts (formats/fim.py) before
+    """Completions' prompts as the prefixes of fill-in-the-middle prompts (text/fim.py) before
     `suffix`; a 400 naming `suffix` for a model without FIM tokens."""
     fim = fim_tokens(state, "suffix")
     prompts = as_prompt_list(prompt)
@@ -65,7 +65,7 @@ def fim_prompts(state: ServerState, prompt: str | list, suffix: str) -> list[Enc
 
 
 def infill_prompt(state: ServerState, prefix: str, suffix: str, extra: list[ExtraFile], prompt: str) -> list[int]:
-    """llama.cpp's /infill prompt (the repository-level layout of formats/fim.py)."""
+    """llama.cpp's /infill prompt (the repository-level layout of text/fim.py)."""
     fim = fim_tokens(state, "input_prefix")
     chars = len(prefix) + len(suffix) + len(prompt) + sum(len(f.text) + len(f.filename) for f in extra)
     _check_chars(state, chars, "input_prefix")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..formats.chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate
 from ..sampling_params import StructuredOutputsParams
 from .errors import bad_request
 from .protocol import ChatCompletionRequest, NamedToolChoice

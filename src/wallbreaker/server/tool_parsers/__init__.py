@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...formats.chat_template import ChatTemplate
+from ...text.chat_template import ChatTemplate
 from ..harmony import is_harmony
 from .base import Call, ToolParser, call_from, loads
 from .deepseek import DeepSeekParser

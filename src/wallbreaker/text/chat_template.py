@@ -25,7 +25,7 @@ from .template_limits import MAX_CHARS, MAX_RENDER_S, TemplateLimitError
 from .template_sandbox import BoundedEnvironment, check_jinja2_version, render
 
 if TYPE_CHECKING:
-    from wallbreaker.formats.tokenizer import Tokenizer
+    from wallbreaker.text.tokenizer import Tokenizer
 
 __all__ = ["CHATML_TEMPLATE", "ChatTemplate", "check_jinja2_version", "encode_chat"]
 

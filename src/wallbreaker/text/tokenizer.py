@@ -137,7 +137,7 @@ class Tokenizer:
         self.vocab_size: int = vocab_size
         # Ids the Hugging Face post-processor would add (TemplateProcessing's special tokens...).
         self.post_processor_ids: frozenset[int] = frozenset(post_processor_ids)
-        # fill-in-the-middle tokens a GGUF names ("pre", "suf", "mid", "rep", "sep"; formats/fim.py)
+        # fill-in-the-middle tokens a GGUF names ("pre", "suf", "mid", "rep", "sep"; text/fim.py)
         self.fim_token_ids: dict[str, int] = dict(fim_token_ids or {})
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
