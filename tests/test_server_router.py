@@ -155,6 +155,18 @@ def test_each_request_gets_the_model_it_names(models_dir, expected, tiny_bert_em
         assert tags == ["embedder:latest", "gemma3:latest", "llama:latest", "qwen2:latest"]
 
 
+def test_show_and_tags_read_unloaded_models_without_loading_them(models_dir, tiny_of):
+    loads = Loads()
+    with served(dir_sources(models_dir), loads) as (url, _):
+        client = ollama.Client(host=url)
+        shown = client.show("gemma3")
+        assert shown.modelinfo["general.architecture"] == tiny_of("gemma3").config.architecture
+        assert shown.template and "tools" in shown.capabilities
+        families = {m.model: m.details.family for m in client.list().models}
+        assert families["llama:latest"] == tiny_of("llama").config.architecture
+        assert loads.count == {} and loaded(url) == []
+
+
 def test_unknown_model_is_a_404_naming_the_models_served(models_dir):
     with served(dir_sources(models_dir)) as (url, _):
         with pytest.raises(openai.NotFoundError) as e:

@@ -30,6 +30,7 @@ from typing import Any
 
 import psutil
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import WallbreakerError
@@ -41,7 +42,7 @@ from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .errors import APIError, bad_request
 from .metrics import ServerMetrics
-from .ollama_models import model_entry, running_entry, show_body
+from .ollama_models import model_entry, remember_digest, running_entry, show_body
 from .responses import ModelCard
 from .state import ServerState
 
@@ -117,10 +118,13 @@ class ModelSource:
     def disk_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files() if f.is_file())
 
-    def known_digest(self) -> str | None:
-        """A packaged model's SHA-256, as its package states it (no need to hash the file)."""
+    def remember_digest(self) -> None:
+        """A packaged model's SHA-256, as its package states it, for the listings (no need to hash the file)."""
         packaged = PACKAGED_MODELS.get(self.model)
-        return packaged.sha256 if packaged is not None else None
+        if packaged is not None:
+            single = [_chunk_path(*packaged.chunks[0])] if len(packaged.chunks) == 1 else []
+            for path in [cache_dir() / packaged.filename, *(p for p in single if p is not None)]:
+                remember_digest(path, packaged.sha256)
 
 
 def _files(path: Path) -> list[Path]:
@@ -265,7 +269,7 @@ class SingleModel:
         _keep_alive_of(keep_alive)  # checked; the model stays loaded while the server runs
 
     async def describe(self, request: Request, model: str | None) -> dict:
-        return show_body(self.state)
+        return await run_in_threadpool(show_body, self.state)  # it hashes the file, once
 
     def states(self) -> list[ServerState]:
         return [self.state]
@@ -312,6 +316,8 @@ class ModelRouter:
         if not sources:
             raise WallbreakerError("no models to serve: --models-dir found none and no --model was given")
         self.slots = {s.name: Slot(s, keep_alive=keep_alive) for s in sources}
+        for s in sources:
+            s.remember_digest()
         self.load_fn = load
         self.keep_alive = keep_alive
         self.max_memory_bytes = default_max_memory_bytes() if max_memory_bytes is None else max_memory_bytes
@@ -451,14 +457,19 @@ class ModelRouter:
                         state.llm.kv_cache.nbytes / 1e6)
             if slot.active == 0:  # every request that waited for it has gone
                 self._start_countdown(slot)
-            async with self._room:
-                await self._make_room(0, slot)  # its real size may pass what was estimated
+            try:
+                async with self._room:
+                    await self._make_room(0, slot)  # its real size may pass what was estimated
+            except Exception:
+                logger.exception("making room after loading model '%s' failed", name)
         except Exception as e:
             if slot.state is None:
                 slot.size = None
             logger.error("loading model '%s' failed: %s", name, e, exc_info=not isinstance(e, WallbreakerError))
-            raise APIError(500, f"the model '{name}' could not be loaded: {e}", type="server_error",
-                           param="model", code="model_load_failed") from e
+            detail = " ".join(str(e).split())  # one line, whatever the error's own text
+            detail = detail if len(detail) <= 300 else detail[:300] + "..."
+            raise APIError(500, f"the model '{name}' could not be loaded: {detail or type(e).__name__}",
+                           type="server_error", param="model", code="model_load_failed") from e
         finally:
             slot.loading = None
 
@@ -547,7 +558,6 @@ class ModelRouter:
 
     async def describe(self, request: Request, model: str | None) -> dict:
         """Ollama's /api/show, from a loaded model or from its files (never loading it)."""
-        from starlette.concurrency import run_in_threadpool
         slot = self.slot(model)
         if slot.state is not None:
             return await run_in_threadpool(show_body, slot.state)
@@ -582,9 +592,6 @@ class ModelRouter:
             return {"name": listed, "model": listed, "modified_at": _iso(modified), "size": slot.source.disk_bytes(),
                     "digest": "", "details": {"parent_model": "", "format": "", "family": "", "families": [],
                                               "parameter_size": "", "quantization_level": "unknown"}}
-        known = slot.source.known_digest()
-        if known is not None:
-            entry["digest"] = known
         return entry
 
 
