@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from server_apps import running_server
-from server_process import free_port
+from server_process import ServerProcess, free_port
 from wallbreaker import LLM, SamplingParams
 from wallbreaker.cli import build_parser, model_router
 from wallbreaker.server.app import build_app
@@ -263,6 +263,31 @@ def test_a_corrupt_file_gets_its_error_while_the_others_are_served(models_dir, e
         assert complete(url, "llama") == expected["llama"]
         tags = httpx.get(f"{url}/api/tags").json()["models"]
         assert "corrupt:latest" in [m["name"] for m in tags]  # listed, as what it is
+
+
+def test_serve_models_dir_end_to_end(models_dir, expected, tmp_path):
+    """The `wallbreaker serve` command with --models-dir: healthy with nothing loaded, each API's
+    `model` field picks the model, the log tells the loads."""
+    log = tmp_path / "serve.log"
+    server = ServerProcess(models_dir / "llama.gguf", "--models-dir", str(models_dir), "--max-model-len", "128",
+                           "--max-num-seqs", "4", "--kv-cache-memory-gb", "0.002", "--keep-alive", "1h", log_path=log)
+    try:
+        names = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+        assert {"llama", "qwen2", "gemma3", "embedder", "smollm2"} <= set(names)
+        assert complete(server.url, "qwen2") == expected["qwen2"]
+        answer = httpx.post(f"{server.url}/v1/messages", json={
+            "model": "gemma3", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).json()
+        assert answer["model"] == "gemma3" and answer["type"] == "message"
+        tokens = httpx.post(f"{server.url}/tokenize", json={"model": "llama", "prompt": PROMPT}).json()["tokens"]
+        with LLM(str(models_dir / "llama.gguf"), **OPTIONS) as llm:
+            assert tokens == llm.tokenizer.encode(PROMPT, True)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert "wallbreaker_kv_blocks_total" in metrics
+        assert loaded(server.url) == ["gemma3:latest", "llama:latest", "qwen2:latest"]
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "serving " in text and "loading model 'qwen2'" in text and "loaded model 'gemma3'" in text
 
 
 def _rss_bytes() -> int:
