@@ -62,9 +62,11 @@ def dir_sources(models_dir: Path) -> list[ModelSource]:
 class Loads:
     """The router's load function, counting loads and able to hold one back."""
 
-    def __init__(self, delay: dict[str, threading.Event] | None = None):
+    def __init__(self, delay: dict[str, threading.Event] | None = None,
+                 load: Callable[[ModelSource], LLM] = lambda source: LLM(source.model, **OPTIONS)):
         self.count: dict[str, int] = {}
         self.delay = delay or {}
+        self.load = load
         self.lock = threading.Lock()
 
     def __call__(self, source: ModelSource) -> LLM:
@@ -72,7 +74,7 @@ class Loads:
             self.count[source.name] = self.count.get(source.name, 0) + 1
         if source.name in self.delay:
             assert self.delay[source.name].wait(60)
-        return LLM(source.model, **OPTIONS)
+        return self.load(source)
 
 
 @contextmanager
@@ -319,3 +321,50 @@ def test_smollm2_answers_and_its_memory_is_handed_back(packaged_model, models_di
     with LLM(smollm2, **options) as llm:
         want = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0].text
     assert answer.message.content == want
+
+
+def test_the_packaged_models_side_by_side(packaged_model, minilm, tmp_path):
+    """The issue's four: SmolLM2, Qwen2.5-Coder-0.5B and Gemma 3 270M (packed, as `serve` runs them)
+    and all-MiniLM-L6-v2 in one --models-dir, each answering as its own `LLM`; then, under a budget
+    below two of them, alternating requests evict and reload and every answer stays right."""
+    aliases = ("smollm2", "qwen2.5-coder-0.5b", "gemma3-270m")
+    d = tmp_path / "models"
+    d.mkdir()
+    for alias in aliases:
+        (d / f"{alias}.gguf").symlink_to(packaged_model(alias))
+    (d / "minilm").symlink_to(minilm)
+    options = dict(max_num_seqs=2, max_model_len=512, kv_cache_memory_gb=0.02)
+    messages = [{"role": "user", "content": "Name one prime number."}]
+    want, sizes = {}, {}
+    for alias in aliases:
+        with LLM(str(d / f"{alias}.gguf"), **options) as llm:
+            want[alias] = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
+            sizes[alias] = model_bytes(llm)
+    with LLM(str(minilm)) as llm:
+        vector = llm.embed(["a prime number"])[0]
+    sources = [s for s in catalog([], str(d)) if s.name in (*aliases, "minilm")]
+
+    def load(source: ModelSource) -> LLM:
+        return LLM(source.model, **({} if source.name == "minilm" else options))
+
+    def chat(url: str, model: str) -> str:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=12,
+                                              temperature=0).choices[0].message.content
+
+    with served(sources, load) as (url, _):
+        for alias in aliases:
+            assert chat(url, alias) == want[alias], alias
+            answer = ollama.Client(host=url).chat(model=alias, messages=messages,
+                                                  options={"temperature": 0, "num_predict": 12})
+            assert answer.message.content == want[alias], alias
+        got = openai.OpenAI(base_url=f"{url}/v1", api_key="x").embeddings.create(model="minilm", input="a prime number")
+        assert torch.allclose(torch.tensor(got.data[0].embedding), torch.tensor(vector), atol=1e-5)
+        assert loaded(url) == sorted(f"{n}:latest" for n in (*aliases, "minilm"))
+    pair = ("smollm2", "gemma3-270m")
+    loads = Loads(load=load)
+    with served(sources, loads, max_memory_bytes=int(max(sizes[n] for n in pair) * 1.3)) as (url, _):
+        for alias in (*pair, *pair):
+            assert chat(url, alias) == want[alias], alias
+            assert loaded(url) == [f"{alias}:latest"]
+    assert loads.count == {"smollm2": 2, "gemma3-270m": 2}
