@@ -144,7 +144,7 @@ def test_each_request_gets_the_model_it_names(models_dir, expected, tiny_bert_em
         for name in ("qwen2", "llama"):
             answer = client.generate(model=f"{name}:latest", prompt=PROMPT, raw=True,
                                      options={"temperature": 0, "num_predict": MAX_TOKENS})
-            assert answer.response == expected[name]
+            assert answer.response == expected[name] and answer.load_duration == 0  # loaded already
         vector = openai.OpenAI(base_url=f"{url}/v1", api_key="x").embeddings.create(model="embedder", input="hello")
         with LLM(str(tiny_bert_embedding), dtype="float32") as reference:
             want = reference.embed(["hello"])[0]
@@ -191,6 +191,7 @@ def test_keep_alive_zero_unloads_after_the_request(models_dir, expected):
         answer = client.generate(model="llama", prompt=PROMPT, raw=True, keep_alive=0,
                                  options={"temperature": 0, "num_predict": MAX_TOKENS})
         assert answer.response == expected["llama"]
+        assert answer.load_duration > 0  # it waited for the load
         assert wait_for(lambda: loaded(url) == [])
         client.generate(model="qwen2", keep_alive="1h")  # no prompt: loads it
         assert loaded(url) == ["qwen2:latest"]

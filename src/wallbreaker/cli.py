@@ -252,6 +252,8 @@ def model_router(args: argparse.Namespace):
     if args.max_memory_gb is not None and args.max_memory_gb <= 0:
         raise WallbreakerError("--max-memory-gb must be positive")
     options = engine_options(args)
+    if options.get("tensor_parallel_size", 1) > 1:
+        raise WallbreakerError("--tensor-parallel-size serves one model: leave out --models-dir and NAME=PATH")
     kv_gb = options.get("kv_cache_memory_gb")
     return ModelRouter(catalog(args.model or [], args.models_dir), lambda source: LLM(source.model, **options),
                        keep_alive=keep_alive,

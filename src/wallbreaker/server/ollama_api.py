@@ -5,8 +5,8 @@ completion handling.
 - Streamed as NDJSON unless `"stream": false` (Ollama's default); the last object has `done: true`,
   `done_reason`, and the counters from the engine's own timings: `prompt_eval_count` and
   `eval_count` (tokens), `prompt_eval_duration` (arrival to the first token), `eval_duration` (first
-  to last token), `total_duration` (the whole request here) and `load_duration` (0: the model was
-  loaded when the server started), in nanoseconds.
+  to last token), `total_duration` (the whole request here) and `load_duration` (the time it waited
+  for its model to load, server/router.py; 0 when the model was loaded), in nanoseconds.
 - `options`: temperature, top_p, top_k, min_p, num_predict (-1 and -2: to the end of the context),
   stop, seed (-1: random), repeat_penalty (as `repetition_penalty`), repeat_last_n (the penalties'
   window; left out, the whole sequence rather than Ollama's 64), presence_penalty, frequency_penalty,
@@ -39,7 +39,7 @@ from ..engine.client import RequestOutput
 from .errors import APIError, bad_request, parse_body
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .serving_completion import CompletionRun, completion_chunks, completion_response, start_completion
-from .router import serving_state
+from .router import load_wait_ns, serving_state
 from .streaming import event_stream
 from .ignored import Lenient
 from .translate import chat_request, completion_request, reasoning_of, renamed_params
@@ -168,10 +168,10 @@ def counters(output: RequestOutput | None, started_ns: int) -> dict[str, int]:
     """Ollama's counters from the engine's timings (seconds) and this request's wall time."""
     total = time.perf_counter_ns() - started_ns
     if output is None:
-        return {"total_duration": total, "load_duration": 0}
+        return {"total_duration": total, "load_duration": load_wait_ns()}
     m = output.metrics
     ttft, e2e = m.get("ttft_s", 0.0), m.get("e2e_s", 0.0)
-    return {"total_duration": total, "load_duration": 0,
+    return {"total_duration": total, "load_duration": load_wait_ns(),
             "prompt_eval_count": len(output.prompt_token_ids), "prompt_eval_duration": int(ttft * 1e9),
             "eval_count": sum(len(c.token_ids) for c in output.outputs),
             "eval_duration": int(max(0.0, e2e - ttft) * 1e9)}

@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -227,6 +228,12 @@ def release_memory() -> None:
 
 # -- the leases: a model stays loaded while a response that uses it is being sent ----------------
 _LEASES = "model_leases"
+_load_wait: ContextVar[int] = ContextVar("wallbreaker_load_wait_ns", default=0)
+
+
+def load_wait_ns() -> int:
+    """Nanoseconds the request being handled waited for its model to load (Ollama's `load_duration`)."""
+    return _load_wait.get()
 
 
 class ModelLeases:
@@ -373,6 +380,7 @@ class ModelRouter:
 
     async def _hold(self, slot: Slot) -> ServerState:
         slot.active += 1  # held from now: a model loading for a request is not idle (never evicted)
+        started = time.perf_counter_ns() if slot.state is None else None
         try:
             while slot.state is None:
                 if self._closed:
@@ -387,6 +395,8 @@ class ModelRouter:
             raise
         slot.last_used = time.monotonic()
         self._stop_countdown(slot)
+        if started is not None:
+            _load_wait.set(time.perf_counter_ns() - started)
         return slot.state
 
     def _release(self, slot: Slot, keep_alive: float | None) -> None:
