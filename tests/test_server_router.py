@@ -22,6 +22,7 @@ from server_apps import running_server
 from server_process import ServerProcess, free_port
 from wallbreaker import LLM, SamplingParams
 from wallbreaker.cli import build_parser, model_router
+from wallbreaker.errors import WallbreakerError
 from wallbreaker.server.app import build_app
 from wallbreaker.server.router import FOREVER, ModelRouter, ModelSource, catalog, model_bytes, parse_keep_alive
 
@@ -128,6 +129,10 @@ def test_serve_flags_make_a_router(models_dir):
     assert router.keep_alive == 30 and router.max_memory_bytes == 2 * 2**30
     assert {"x", "llama", "qwen2", "embedder"} <= set(router.names)
     assert build_parser().parse_args(["serve", "--model", "a.gguf"]).model == ["a.gguf"]
+    with pytest.raises(WallbreakerError, match="memory budget must be positive"):
+        model_router(build_parser().parse_args(["serve", "--models-dir", str(models_dir), "--max-memory-gb", "0"]))
+    with pytest.raises(WallbreakerError, match="--keep-alive"):
+        model_router(build_parser().parse_args(["serve", "--models-dir", str(models_dir), "--keep-alive", "soon"]))
 
 
 def test_each_request_gets_the_model_it_names(models_dir, expected, tiny_bert_embedding):
@@ -200,10 +205,10 @@ def test_keep_alive_zero_unloads_after_the_request(models_dir, expected):
 
 
 def test_an_idle_model_is_unloaded_after_keep_alive(models_dir, expected):
-    with served(dir_sources(models_dir), keep_alive=0.5) as (url, router):
+    with served(dir_sources(models_dir), keep_alive=3.0) as (url, router):
         assert complete(url, "gemma3") == expected["gemma3"]
         assert loaded(url) == ["gemma3:latest"]
-        assert wait_for(lambda: loaded(url) == [], timeout_s=10)
+        assert wait_for(lambda: loaded(url) == [], timeout_s=20)
         assert complete(url, "gemma3") == expected["gemma3"]  # loaded again
 
 

@@ -249,8 +249,6 @@ def model_router(args: argparse.Namespace):
         keep_alive = parse_keep_alive(args.keep_alive)
     except ValueError as e:
         raise WallbreakerError(f"--keep-alive: {e}") from None
-    if args.max_memory_gb is not None and args.max_memory_gb <= 0:
-        raise WallbreakerError("--max-memory-gb must be positive")
     options = engine_options(args)
     if options.get("tensor_parallel_size", 1) > 1:
         raise WallbreakerError("--tensor-parallel-size serves one model: leave out --models-dir and NAME=PATH")

@@ -34,7 +34,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import WallbreakerError
+from ..errors import InvalidRequestError, WallbreakerError
 from ..formats.packaged import PACKAGED_MODELS, _package_dir, cache_dir
 from ..formats.packaged_folders import PACKAGED_FOLDERS
 from ..kv.cache import HEADROOM_GB
@@ -322,6 +322,10 @@ class ModelRouter:
         model's file size to estimate its first load (a fixed KV pool's size)."""
         if not sources:
             raise WallbreakerError("no models to serve: --models-dir found none and no --model was given")
+        if not keep_alive >= 0:
+            raise InvalidRequestError(f"keep_alive must be >= 0 seconds (math.inf: forever), got {keep_alive}")
+        if max_memory_bytes is not None and max_memory_bytes <= 0:
+            raise InvalidRequestError(f"the memory budget must be positive, got {max_memory_bytes} bytes")
         self.slots = {s.name: Slot(s, keep_alive=keep_alive) for s in sources}
         for s in sources:
             s.remember_digest()
