@@ -204,6 +204,28 @@ def test_keep_alive_zero_unloads_after_the_request(models_dir, expected):
         assert wait_for(lambda: loaded(url) == [])
 
 
+def test_a_stream_holds_its_model_until_its_last_chunk(models_dir, expected):
+    """keep_alive 0 unloads once the response has been sent: a slow stream is not cut short."""
+    def slow_load(source: ModelSource) -> LLM:
+        llm = LLM(source.model, **OPTIONS)
+        step = llm.engine.step
+
+        def slow_step():
+            time.sleep(0.1)
+            return step()
+        llm.engine.step = slow_step
+        return llm
+    with served(dir_sources(models_dir), slow_load) as (url, _):
+        pieces, seen_loaded = [], []
+        for part in ollama.Client(host=url).generate(model="llama", prompt=PROMPT, raw=True, keep_alive=0, stream=True,
+                                                     options={"temperature": 0, "num_predict": MAX_TOKENS}):
+            pieces.append(part.response)
+            if len(pieces) == 2:
+                seen_loaded = loaded(url)
+        assert "".join(pieces) == expected["llama"] and seen_loaded == ["llama:latest"]
+        assert wait_for(lambda: loaded(url) == [])
+
+
 def test_an_idle_model_is_unloaded_after_keep_alive(models_dir, expected):
     with served(dir_sources(models_dir), keep_alive=3.0) as (url, router):
         assert complete(url, "gemma3") == expected["gemma3"]
