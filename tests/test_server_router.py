@@ -24,7 +24,8 @@ from wallbreaker import LLM, SamplingParams
 from wallbreaker.cli import build_parser, model_router
 from wallbreaker.errors import WallbreakerError
 from wallbreaker.server.app import build_app
-from wallbreaker.server.router import FOREVER, ModelRouter, ModelSource, catalog, model_bytes, parse_keep_alive
+from wallbreaker.server.model_sources import FOREVER, ModelSource, catalog, parse_keep_alive
+from wallbreaker.server.router import ModelRouter, model_bytes
 
 OPTIONS = dict(dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache_memory_gb=0.002)
 PROMPT = "The capital of France is"
@@ -131,6 +132,8 @@ def test_serve_flags_make_a_router(models_dir):
     assert build_parser().parse_args(["serve", "--model", "a.gguf"]).model == ["a.gguf"]
     with pytest.raises(WallbreakerError, match="memory budget must be positive"):
         model_router(build_parser().parse_args(["serve", "--models-dir", str(models_dir), "--max-memory-gb", "0"]))
+    with pytest.raises(WallbreakerError, match="no such file"):
+        catalog(["x=/nowhere/model.gguf", "y=smollm2"])
     with pytest.raises(WallbreakerError, match="--keep-alive"):
         model_router(build_parser().parse_args(["serve", "--models-dir", str(models_dir), "--keep-alive", "soon"]))
 

@@ -241,7 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def model_router(args: argparse.Namespace):
     """`serve --models-dir DIR` / `--model NAME=PATH ...`: the models, loaded as requests name them."""
     from .llm import LLM
-    from .server.router import ModelRouter, catalog, parse_keep_alive
+    from .server.model_sources import catalog, parse_keep_alive
+    from .server.router import ModelRouter
     if args.served_model_name:
         raise WallbreakerError("--served-model-name names the one model served; with several, name each "
                                "with --model NAME=PATH")
