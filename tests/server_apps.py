@@ -74,7 +74,7 @@ def running_server(app: FastAPI) -> Iterator[str]:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the server did not start")
         time.sleep(0.02)
-    config = app.state.server.config
+    config = app.state.config
     try:
         yield f"http://{config.host}:{config.port}"
     finally:

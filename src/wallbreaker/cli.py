@@ -231,9 +231,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout, grammar_compile_timeout=args.grammar_compile_timeout,
         allowed_hosts=tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else None,
         allowed_origins=tuple(o for o in (args.allowed_origins or "").split(",") if o.strip()))
-    llm = load_llm(args)
-    serve(build_app(llm, config), log_level=args.log_level)
+    models = args.model or []
+    if args.models_dir is None and len(models) <= 1 and not any("=" in m and not os.path.exists(m) for m in models):
+        args.model = models[0] if models else None  # one model, loaded now: every name means it
+        serve(build_app(load_llm(args), config), log_level=args.log_level)
+        return 0
+    serve(build_app(model_router(args), config), log_level=args.log_level)
     return 0
+
+
+def model_router(args: argparse.Namespace):
+    """`serve --models-dir DIR` / `--model NAME=PATH ...`: the models, loaded as requests name them."""
+    from .llm import LLM
+    from .server.model_sources import catalog, parse_keep_alive
+    from .server.router import ModelRouter
+    if args.served_model_name:
+        raise WallbreakerError("--served-model-name names the one model served; with several, name each "
+                               "with --model NAME=PATH")
+    try:
+        keep_alive = parse_keep_alive(args.keep_alive)
+    except ValueError as e:
+        raise WallbreakerError(f"--keep-alive: {e}") from None
+    options = engine_options(args)
+    if options.get("tensor_parallel_size", 1) > 1:
+        raise WallbreakerError("--tensor-parallel-size serves one model: leave out --models-dir and NAME=PATH")
+    kv_gb = options.get("kv_cache_memory_gb")
+    return ModelRouter(catalog(args.model or [], args.models_dir), lambda source: LLM(source.model, **options),
+                       keep_alive=keep_alive,
+                       max_memory_bytes=None if args.max_memory_gb is None else int(args.max_memory_gb * 2**30),
+                       extra_bytes=int(kv_gb * 2**30) if kv_gb else 0)
 
 
 @command("inspect")
@@ -312,7 +338,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="a system message")
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    add_engine_flags(p)
+    add_engine_flags(p, skip=("model",))
+    p.add_argument("--model", "-m", action="append", default=None,
+                   help="a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2); "
+                        "repeat as NAME=PATH to serve several, each loaded when a request names it")
+    p.add_argument("--models-dir", default=None,
+                   help="serve every model in DIR (*.gguf files by their stem, Hugging Face folders by their name) "
+                        "and the installed packaged models by name, each loaded when a request names it")
+    p.add_argument("--keep-alive", default="5m",
+                   help="with several models: how long an idle model stays loaded (a duration, e.g. 30s, 5m, 1h; "
+                        "0: unload after each request; negative: forever); a request's keep_alive overrides it "
+                        "(default: 5m)")
+    p.add_argument("--max-memory-gb", type=float, default=None,
+                   help="with several models: GiB the loaded models may hold (weights, KV pools); loading past it "
+                        "unloads the least recently used idle ones (default: the free memory at start, less 1 GB)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,

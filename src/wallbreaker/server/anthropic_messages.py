@@ -41,7 +41,7 @@ from .prompts import chat_prompt_images
 from .responses import cached_tokens
 from .protocol import ChatCompletionRequest
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
-from .state import ServerState
+from .router import serving_state
 from .ignored import Lenient, note_ignored
 from .tools import plan_tools
 from .streaming import event_stream, with_keepalive
@@ -492,8 +492,8 @@ router = APIRouter()
 
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
-    state: ServerState = request.app.state.server
     raw = await parse_body(request, MessagesRequest)
+    state = await serving_state(request, raw.model)
     body = to_chat(raw)
     with renamed_params(PARAMS):
         run = await start_chat(body, request, state, prefix="msg")
@@ -508,8 +508,8 @@ async def create_message(request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
     """The prompt's tokens as the model sees it: the chat template over the messages and the tools."""
-    state: ServerState = request.app.state.server
     raw = await parse_body(request, CountTokensRequest)
+    state = await serving_state(request, raw.model)
     body = chat_request({"model": raw.model, "messages": chat_messages(raw), **_tool_fields(raw)})
     plan = plan_tools(body, state.llm.chat_template)
     _, ids, _ = await run_in_threadpool(chat_prompt_images, state, body.messages, plan)

@@ -5,8 +5,8 @@ completion handling.
 - Streamed as NDJSON unless `"stream": false` (Ollama's default); the last object has `done: true`,
   `done_reason`, and the counters from the engine's own timings: `prompt_eval_count` and
   `eval_count` (tokens), `prompt_eval_duration` (arrival to the first token), `eval_duration` (first
-  to last token), `total_duration` (the whole request here) and `load_duration` (0: the model was
-  loaded when the server started), in nanoseconds.
+  to last token), `total_duration` (the whole request here) and `load_duration` (the time it waited
+  for its model to load, server/router.py; 0 when the model was loaded), in nanoseconds.
 - `options`: temperature, top_p, top_k, min_p, num_predict (-1 and -2: to the end of the context),
   stop, seed (-1: random), repeat_penalty (as `repetition_penalty`), repeat_last_n (the penalties'
   window; left out, the whole sequence rather than Ollama's 64), presence_penalty, frequency_penalty,
@@ -15,8 +15,9 @@ completion handling.
   num_thread, ...) change no output and are ignored; ones that would and are not supported here
   (penalize_newline, ...) are a 400 naming them.
 - `format`: "json" or a JSON schema, through structured output. `tools` (OpenAI's shape) through the
-  chat's tool calling; calls come back whole, their arguments as objects. `keep_alive` is accepted
-  (the model stays loaded while the server runs); `think` too: a `thinking` field comes back where
+  chat's tool calling; calls come back whole, their arguments as objects. `keep_alive`: how long the
+  model stays loaded once idle (server/router.py; a single `--model PATH` stays while the server runs);
+  `think` too: a `thinking` field comes back where
   the chat answer carries `reasoning_content`.
 - `/api/generate` renders `prompt` (and `system`) through the chat template unless `raw`, which goes
   to the completion handling as it is; with a `suffix`, the completion's fill-in-the-middle (the
@@ -36,10 +37,9 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.client import RequestOutput
 from .errors import APIError, bad_request, parse_body
-from .ollama_models import model_entry, running_entry, show_body
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
 from .serving_completion import CompletionRun, completion_chunks, completion_response, start_completion
-from .state import ServerState
+from .router import load_wait_ns, serving_state
 from .streaming import event_stream
 from .ignored import Lenient
 from .translate import chat_request, completion_request, reasoning_of, renamed_params
@@ -182,10 +182,10 @@ def counters(output: RequestOutput | None, started_ns: int) -> dict[str, int]:
     """Ollama's counters from the engine's timings (seconds) and this request's wall time."""
     total = time.perf_counter_ns() - started_ns
     if output is None:
-        return {"total_duration": total, "load_duration": 0}
+        return {"total_duration": total, "load_duration": load_wait_ns()}
     m = output.metrics
     ttft, e2e = m.get("ttft_s", 0.0), m.get("e2e_s", 0.0)
-    return {"total_duration": total, "load_duration": 0,
+    return {"total_duration": total, "load_duration": load_wait_ns(),
             "prompt_eval_count": len(output.prompt_token_ids), "prompt_eval_duration": int(ttft * 1e9),
             "eval_count": sum(len(c.token_ids) for c in output.outputs),
             "eval_duration": int(max(0.0, e2e - ttft) * 1e9)}
@@ -283,11 +283,12 @@ router = APIRouter()
 @router.post("/api/chat")
 async def chat(request: Request) -> Response:
     started = time.perf_counter_ns()
-    state: ServerState = request.app.state.server
     body = await parse_body(request, ChatRequest)
     name = body.model
     if not body.messages:
+        await request.app.state.models.preload(request, name, body.keep_alive)
         return _loaded(name, False, body.keep_alive)
+    state = await serving_state(request, name, body.keep_alive)
     stream = body.stream is not False
     fields = {"messages": chat_messages(body.messages), "stream": stream, **sampling_fields(body)}
     if body.tools:
@@ -312,7 +313,6 @@ async def chat(request: Request) -> Response:
 @router.post("/api/generate")
 async def generate(request: Request) -> Response:
     started = time.perf_counter_ns()
-    state: ServerState = request.app.state.server
     body = await parse_body(request, GenerateRequest)
     for field, why in (("template", "Go templates (the model's own chat template is used)"),
                        ("context", "the deprecated context tokens (send the conversation to /api/chat)")):
@@ -322,7 +322,9 @@ async def generate(request: Request) -> Response:
         raise bad_request("images are read in the chat template's prompt, not with raw or suffix", param="images")
     name = body.model
     if not body.prompt:
+        await request.app.state.models.preload(request, name, body.keep_alive)
         return _loaded(name, True, body.keep_alive)
+    state = await serving_state(request, name, body.keep_alive)
     stream = body.stream is not False
     if body.raw or body.suffix:  # a suffix asks for the middle: the completion's fill-in-the-middle
         fim = {"suffix": body.suffix} if body.suffix else {}
@@ -361,25 +363,21 @@ async def version() -> Response:
 
 @router.get("/api/tags")
 async def tags(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    return _json({"models": [await run_in_threadpool(model_entry, state)]})
+    return _json({"models": await run_in_threadpool(request.app.state.models.tags)})
 
 
 @router.get("/api/ps")
 async def ps(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    entry = await run_in_threadpool(running_entry, state)
-    return _json({"models": [entry]})
+    return _json({"models": await run_in_threadpool(request.app.state.models.running)})
 
 
 @router.post("/api/show")
 async def show(request: Request) -> Response:
-    state: ServerState = request.app.state.server
     body = await parse_body(request, ShowRequest)
     name = body.model or body.name
     if not name:
         raise bad_request("model is required", param="model")
-    return _json(await run_in_threadpool(show_body, state))
+    return _json(await request.app.state.models.describe(request, name))
 
 
 def add_ollama_api(app: FastAPI, dependencies: list) -> None:

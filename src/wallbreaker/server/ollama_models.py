@@ -40,6 +40,12 @@ def digest(path: Path) -> str:
         return _digests[path]
 
 
+def remember_digest(path: Path, sha256: str) -> None:
+    """A file's SHA-256 known already (a packaged model's, checked when it was assembled): not hashed again."""
+    with _digest_lock:
+        _digests.setdefault(path, sha256)
+
+
 def parameter_count(llm: LLM) -> int:
     """The parameters of the model's shape (its weights may be packed, so not counted off the tensors)."""
     c = llm.model_config

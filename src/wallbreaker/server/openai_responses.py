@@ -41,7 +41,7 @@ from .protocol import ChatCompletionRequest
 from .response_store import ResponseStore
 from .responses import cached_tokens
 from .serving_chat import ChatRun, chat_chunks, chat_response, start_chat
-from .state import ServerState
+from .router import serving_state
 from .streaming import event_stream
 from .ignored import Lenient, note_ignored, refuse_present
 from .translate import chat_request, delta_pieces, reasoning_of, renamed_params
@@ -453,9 +453,9 @@ router = APIRouter()
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
-    state: ServerState = request.app.state.server
     responses: ResponseStore = request.app.state.responses
     body = await parse_body(request, ResponsesRequest)
+    state = await serving_state(request, body.model)
     history: list[dict] = []
     if body.previous_response_id is not None:
         previous = responses.get(body.previous_response_id)

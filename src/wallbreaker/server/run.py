@@ -56,7 +56,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
 def uvicorn_config(app: FastAPI, log_level: str = "info", graceful_timeout: float = 30.0) -> uvicorn.Config:
     """uvicorn's settings from the app's `ServerConfig`: host, port, connection and header limits."""
-    config: ServerConfig = app.state.server.config
+    config: ServerConfig = app.state.config
     protocol = functools.partial(HeaderTimeoutProtocol, header_timeout=config.header_timeout)
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, access_log=False,
                           lifespan="on", timeout_graceful_shutdown=graceful_timeout, http=protocol,

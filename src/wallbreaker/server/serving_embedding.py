@@ -24,6 +24,7 @@ from ..pooling_params import PoolingParams
 from ..pooling_requests import PoolingRun, input_ids, relevance_requests, score_pairs, truncation_limit
 from .errors import APIError, bad_request, parse_body
 from .protocol import TokenIds, _Body, _one_of
+from .router import serving_state
 from .state import ServerState
 from .streaming import collect
 
@@ -67,7 +68,7 @@ class OllamaEmbedRequest(_Body):
     input: str | list[str]
     truncate: bool = True  # Ollama cuts an input at the model's limit unless told not to
     dimensions: Annotated[int, Field(ge=1)] | None = None
-    keep_alive: str | int | float | None = None  # the model stays loaded whatever this says
+    keep_alive: str | int | float | None = None  # how long the model stays loaded once idle (server/router.py)
     options: dict[str, Any] | None = None
 
 
@@ -114,7 +115,7 @@ router = APIRouter()
 @router.post("/v1/embeddings")
 async def create_embeddings(request: Request) -> Response:
     body = await parse_body(request, EmbeddingRequest)
-    state: ServerState = request.app.state.server
+    state = await serving_state(request, body.model)
     access, request_id, deadline = state.admit(request, "embd")
     params = PoolingParams("embed", body.dimensions, body.normalize)
     try:
@@ -148,7 +149,7 @@ async def _relevance(state: ServerState, request: Request, pairs: list[tuple[str
 @router.post("/rerank")
 async def rerank(request: Request) -> Response:
     body = await parse_body(request, RerankRequest)
-    state: ServerState = request.app.state.server
+    state = await serving_state(request, body.model)
     access, request_id, deadline = state.admit(request, "rerank")
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     scores, tokens = [], 0
@@ -167,7 +168,7 @@ async def rerank(request: Request) -> Response:
 @router.post("/v1/score")
 async def score(request: Request) -> Response:
     body = await parse_body(request, ScoreRequest)
-    state: ServerState = request.app.state.server
+    state = await serving_state(request, body.model)
     access, request_id, deadline = state.admit(request, "score")
     try:
         pairs = score_pairs(body.text_1, body.text_2)
@@ -186,7 +187,7 @@ async def ollama_embed(request: Request) -> Response:
     (default true) cuts at the model's limit."""
     start = time.perf_counter()
     body = await parse_body(request, OllamaEmbedRequest)
-    state: ServerState = request.app.state.server
+    state = await serving_state(request, body.model, body.keep_alive)
     access, request_id, deadline = state.admit(request, "embed")
     params = PoolingParams("embed", body.dimensions)
     try:

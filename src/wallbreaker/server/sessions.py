@@ -29,6 +29,7 @@ from ..errors import InvalidRequestError
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request, parse_body
 from .protocol import ChatMessage, TokenIds, _Body
+from .router import serving_state
 from .state import ServerState
 from .streaming import collect
 from .tools import template_messages
@@ -55,10 +56,12 @@ class SessionResponse(BaseModel):
     bytes: int
 
 
-def add_session_routes(app: FastAPI, state: ServerState, dependencies: list) -> None:
+def add_session_routes(app: FastAPI, dependencies: list) -> None:
+    """The routes; each acts on the model its body (or, for DELETE, `?model=`) names."""
     @app.post("/sessions/{name}/save", dependencies=dependencies)
     async def save(name: str, request: Request) -> Response:
         body = await parse_body(request, SessionSaveRequest)
+        state = await serving_state(request, body.model)
         _, request_id, deadline = state.admit(request, "session")
         with _api_errors():
             check_session_name(name)
@@ -78,7 +81,8 @@ def add_session_routes(app: FastAPI, state: ServerState, dependencies: list) -> 
 
     @app.post("/sessions/{name}/restore", dependencies=dependencies)
     async def restore(name: str, request: Request) -> Response:
-        await parse_body(request, SessionRestoreRequest)  # a body, if any, must be valid JSON of its shape
+        body = await parse_body(request, SessionRestoreRequest)  # a body, if any, must be valid JSON of its shape
+        state = await serving_state(request, body.model)
         state.admit(request, "session")
         with _api_errors():
             check_session_name(name)
@@ -87,6 +91,7 @@ def add_session_routes(app: FastAPI, state: ServerState, dependencies: list) -> 
 
     @app.delete("/sessions/{name}", dependencies=dependencies)
     async def delete(name: str, request: Request) -> Response:
+        state = await serving_state(request, request.query_params.get("model"))
         state.admit(request, "session")
         with _api_errors():
             info = await state.engine.call(partial(state.engine.client.delete_session, name))

@@ -46,9 +46,9 @@ class ServerState:
 
     def admit(self, request: Request, prefix: str) -> tuple[AccessRecord, str, float | None]:
         """A request starts: its access record, named by a fresh id (`prefix`-...), and its deadline.
-        Whatever model a request names, the one model served answers, as llama-server's does: clients send
-        the names they were made for (Claude Code's `claude-opus-...`), and answers name the model
-        that wrote them."""
+        The state is the model's that the request named (server/router.py: with one model served, any
+        name means it, as llama-server's does: clients send the names they were made for, Claude Code's
+        `claude-opus-...`); answers name the model that wrote them."""
         access: AccessRecord = request.state.access
         access.request_id = f"{prefix}-{uuid.uuid4().hex}"
         return access, access.request_id, self.deadline()

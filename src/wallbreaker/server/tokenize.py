@@ -12,17 +12,18 @@ from .errors import bad_request, parse_body
 from .prompts import check_template_kwargs
 from .protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from .responses import DetokenizeResponse, TokenizeResponse
-from .state import ServerState
+from .router import serving_state
 from .tools import template_messages
 
 
-async def tokenize(request: Request, state: ServerState) -> Response:
+async def tokenize(request: Request) -> Response:
     raw = await request.body()
     try:
         chat = isinstance(peek := json.loads(raw), dict) and "messages" in peek
     except ValueError:
         chat = False  # parse_body names the JSON error
     body = await parse_body(request, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+    state = await serving_state(request, body.model)
     tokenizer = state.llm.tokenizer
     try:
         if isinstance(body, TokenizeChatRequest):
@@ -43,8 +44,9 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     return Response(out.model_dump_json(), media_type="application/json")
 
 
-async def detokenize(request: Request, state: ServerState) -> Response:
+async def detokenize(request: Request) -> Response:
     body = await parse_body(request, DetokenizeRequest)
+    state = await serving_state(request, body.model)
     try:
         state.engine.client.check_token_ids(body.tokens)
     except InvalidRequestError as e:
