@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds the kernel harness (harness.cpp with csrc's kernel files, no torch) and runs it against
+# the portable level and gguf's dequantization (make_data.py, into a temporary folder).
+#
+#   tests/kernel_harness/run.sh native   this machine's compiler and CPU (x86: the avx2/avx512 levels)
+#   tests/kernel_harness/run.sh arm      cross-compiled for aarch64 and run under qemu-aarch64-static,
+#                                        with dotprod and i8mm (-cpu max: the arm level) and without
+#                                        (-cpu cortex-a53: the fallback to the portable level)
+#
+# `arm` installs g++-aarch64-linux-gnu and qemu-user-static with apt-get where it runs as root and
+# they are missing; otherwise it says what to install and exits 0 (skipped). PYTHON: a Python with
+# numpy and gguf (make's $(BIN)/python). BUILD: where the binaries go (build/kernel_harness).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mode="${1:-native}"
+PYTHON="${PYTHON:-python3}"
+BUILD="${BUILD:-build/kernel_harness}"
+FLAGS=(-std=c++20 -O2 -ffp-contract=off -fno-math-errno -Icsrc)
+SRC=(tests/kernel_harness/harness.cpp csrc/kernels_generic.cpp csrc/kernels_avx2.cpp csrc/kernels_avx512.cpp
+     csrc/kernels_arm.cpp)
+mkdir -p "$BUILD"
+data="$(mktemp -d)"
+trap 'rm -rf "$data"' EXIT
+"$PYTHON" tests/kernel_harness/make_data.py "$data"
+
+case "$mode" in
+  native)
+    nice "${CXX:-g++}" "${FLAGS[@]}" "${SRC[@]}" -o "$BUILD/harness"
+    "$BUILD/harness" --data "$data"
+    ;;
+  arm)
+    if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64-static >/dev/null; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user-static >/dev/null
+      else
+        echo "skipped: needs g++-aarch64-linux-gnu and qemu-user-static" \
+             "(apt-get install g++-aarch64-linux-gnu qemu-user-static, as root)"
+        exit 0
+      fi
+    fi
+    # static: qemu-user needs no aarch64 libraries then. The arm level's file sets its own target
+    # (armv8.2-a+dotprod+i8mm, kernels_arm.cpp); the rest is built for plain armv8-a, so the
+    # binary runs on a CPU without dotprod and falls back to the portable level.
+    nice aarch64-linux-gnu-g++ "${FLAGS[@]}" -static "${SRC[@]}" -o "$BUILD/harness-aarch64"
+    echo "== qemu-aarch64-static -cpu max (dotprod, i8mm, SVE)"
+    qemu-aarch64-static -cpu max "$BUILD/harness-aarch64" --data "$data"
+    echo "== qemu-aarch64-static -cpu cortex-a53 (armv8.0: no dotprod, the portable level alone)"
+    qemu-aarch64-static -cpu cortex-a53 "$BUILD/harness-aarch64" --data "$data"
+    ;;
+  *) echo "usage: $0 native|arm" >&2; exit 2 ;;
+esac
