@@ -1,5 +1,334 @@
-// The arm level (aarch64 with the dot-product extension): placeholder, filled in below.
+// The arm level: aarch64 NEON with the dot-product extension (vdotq_s32; Armv8.2-A+, e.g. Apple M1
+// and later, Neoverse N1/V1/N2/V2 (Graviton 2-4), Cortex-A76+). Chosen at run time by the CPU's
+// features (wb_arm_features: getauxval on Linux, sysctlbyname on macOS), the portable level the
+// fallback. No torch header here, and everything has internal linkage (see qblocks.inc).
+//
+// Bit for bit the portable level's results (kernels_generic.cpp): the integer dot products are
+// exact in any order, and the float steps are the generic level's, in its order, lane by lane:
+//   32-blocks, per block:  acc += (d_w·d_x)·float(dot) [+ c·s]   (4 weight rows in the 4 lanes)
+//   256-blocks, per block: acc += d_x·(D·float(isum) − Dm·float(imin))
+// without fused multiply-adds (this file and the generic one are built with fp-contract off: GCC
+// contracts a·b + c into fmadd on aarch64 by default, which rounds once where x86's portable
+// level rounds twice). The activations keep the generic level's natural order and bytes.
 #include "qkernels.h"
 
+#if defined(__aarch64__) || defined(_M_ARM64)
+#include <arm_neon.h>
+#include <math.h>
+#include <string.h>
+#if defined(__linux__)
+#include <sys/auxv.h>
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#include <sys/types.h>
+#endif
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod+i8mm")
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace wb {
+namespace {
+
+inline float half_neon(const uint8_t* p) {
+  __fp16 h;
+  memcpy(&h, p, 2);
+  return (float)h;  // exact, subnormals included: the same value as qblocks.inc's conversion
+}
+#define WB_HALF(p) half_neon(p)
+#include "qblocks.inc"
+#include "tuning.inc"
+
+// ---- activations: the generic level's bytes (natural order), in NEON ----------------------------
+inline float block_scale(const float* xb, int n, float& id) {
+  float32x4_t mx = vdupq_n_f32(0.0f);
+  for (int i = 0; i < n; i += 4) mx = vmaxq_f32(mx, vabsq_f32(vld1q_f32(xb + i)));
+  const float amax = vmaxvq_f32(mx);
+  id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  return amax / 127.0f;
+}
+
+// 16 values -> 16 int8, x·id rounded to nearest even (the generic level's rne of the rounded product)
+inline int8x16_t q16(const float* x, float id) {
+  const int32x4_t a = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x), id));
+  const int32x4_t b = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + 4), id));
+  const int32x4_t c = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + 8), id));
+  const int32x4_t d = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + 12), id));
+  const int16x8_t ab = vcombine_s16(vqmovn_s32(a), vqmovn_s32(b)), cd = vcombine_s16(vqmovn_s32(c), vqmovn_s32(d));
+  return vcombine_s8(vqmovn_s16(ab), vqmovn_s16(cd));
+}
+
+inline int sum16(int8x16_t v) { return vaddlvq_s8(v); }
+
+void quantize32(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int64_t ldq, float* d,
+                float* s, int64_t ldb) {
+  for (int64_t m = m0; m < m1; m++)
+    for (int64_t b = 0; b < K / 32; b++) {
+      const float* xb = x + m * ldx + b * 32;
+      float id;
+      const float dd = block_scale(xb, 32, id);
+      const int8x16_t lo = q16(xb, id), hi = q16(xb + 16, id);
+      vst1q_s8(q + m * ldq + b * 32, lo);
+      vst1q_s8(q + m * ldq + b * 32 + 16, hi);
+      d[m * ldb + b] = dd;
+      s[m * ldb + b] = dd * (float)(sum16(lo) + sum16(hi));
+    }
+}
+
+void quantize256(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, int8_t*, int64_t ldq,
+                 float* d, int16_t* bsums, int16_t* bsums32, int64_t ldb) {
+  for (int64_t m = m0; m < m1; m++)
+    for (int64_t b = 0; b < K / 256; b++) {
+      const float* xb = x + m * ldx + b * 256;
+      float id;
+      const float dd = block_scale(xb, 256, id);
+      int16_t* bs = bsums + (m * ldb + b) * 16;
+      int16_t* bs32 = bsums32 + (m * ldb + b) * 8;
+      for (int j = 0; j < 16; j++) {
+        const int8x16_t v = q16(xb + 16 * j, id);
+        vst1q_s8(q + m * ldq + b * 256 + 16 * j, v);
+        bs[j] = (int16_t)sum16(v);
+      }
+      for (int j = 0; j < 8; j++) bs32[j] = (int16_t)(bs[2 * j] + bs[2 * j + 1]);
+      d[m * ldb + b] = dd;
+    }
+}
+
+// ---- 32-blocks --------------------------------------------------------------------------------
+// Row layout: qblocks.inc. NT (<= 4) weight rows in the 4 lanes of the float steps.
+
+// The float16 at off of rows 0..NT-1 (row j in lane j, zeros past NT) as float32.
+template <int NT>
+inline float32x4_t halves4(const uint8_t* w, int64_t row_bytes, int64_t off) {
+  uint16x4_t v = vdup_n_u16(0);
+  v = vld1_lane_u16((const uint16_t*)(w + off), v, 0);
+  if (NT > 1) v = vld1_lane_u16((const uint16_t*)(w + row_bytes + off), v, 1);
+  if (NT > 2) v = vld1_lane_u16((const uint16_t*)(w + 2 * row_bytes + off), v, 2);
+  if (NT > 3) v = vld1_lane_u16((const uint16_t*)(w + 3 * row_bytes + off), v, 3);
+  return vcvt_f32_f16(vreinterpret_f16_u16(v));
+}
+
+// 16 bits at p (little-endian) -> 16 bytes, byte t = 0x10 where bit t is set.
+inline uint8x16_t bits16_x10(const uint8_t* p) {
+  const uint8x16_t v = vcombine_u8(vdup_n_u8(p[0]), vdup_n_u8(p[1]));
+  const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  return vandq_u8(vtstq_u8(v, bit), vdupq_n_u8(0x10));
+}
+
+// Codes of block i of a group of G (c: the group's codes in the row layout): lo = values 0..15,
+// hi = values 16..31 (unsigned but for Q8_0's, all within int8).
+template <int QT>
+inline void codes32(const uint8_t* c, int64_t G, int64_t i, int8x16_t& lo, int8x16_t& hi) {
+  if (QT == Q8_0) {
+    lo = vld1q_s8((const int8_t*)(c + 16 * i));
+    hi = vld1q_s8((const int8_t*)(c + 16 * G + 16 * i));
+    return;
+  }
+  const uint8_t* qs = (QT == Q5_0 || QT == Q5_1) ? c + 4 * G : c;
+  const uint8x16_t v = vld1q_u8(qs + 16 * i);
+  uint8x16_t l = vandq_u8(v, vdupq_n_u8(0x0F)), h = vshrq_n_u8(v, 4);
+  if (QT == Q5_0 || QT == Q5_1) {
+    l = vorrq_u8(l, bits16_x10(c + 2 * i));
+    h = vorrq_u8(h, bits16_x10(c + 2 * G + 2 * i));
+  }
+  lo = vreinterpretq_s8_u8(l);
+  hi = vreinterpretq_s8_u8(h);
+}
+
+template <int QT, int MT, int NT>
+void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  static_assert(NT <= 4, "weight rows are the 4 lanes");
+  constexpr int QB = kQB<QT>;
+  const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb, groups = (nb + 3) / 4;
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
+  float32x4_t acc[MT];
+  for (int r = 0; r < MT; r++) acc[r] = vdupq_n_f32(0.0f);
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t G = nb - 4 * g < 4 ? nb - 4 * g : 4;
+    prefetch_tile_share(w, NT * row_bytes, groups, g, pf);
+    for (int64_t i = 0; i < G; i++) {
+      const int64_t b = 4 * g + i;
+      int8x16_t lo[NT], hi[NT];
+      for (int j = 0; j < NT; j++) codes32<QT>(w + j * row_bytes + qoff + 4 * g * QB, G, i, lo[j], hi[j]);
+      const float32x4_t dw = halves4<NT>(w, row_bytes, 2 * b);
+      // c of w = d q + c: Q4_0 -8 d, Q5_0 -16 d (exact), Q4_1/Q5_1 the stored m
+      float32x4_t cw = vdupq_n_f32(0.0f);
+      if (QT == Q4_0 || QT == Q5_0) cw = vmulq_n_f32(dw, (float)format_facts(QT).offset);
+      if (kHasMin<QT>) cw = halves4<NT>(w, row_bytes, 2 * nb + 2 * b);
+      for (int r = 0; r < MT; r++) {
+        const int8_t* xq = a.q + (m + r) * a.ldq + 32 * b;
+        const int8x16_t xl = vld1q_s8(xq), xh = vld1q_s8(xq + 16);
+        int32x4_t s[4];
+        for (int j = 0; j < 4; j++) s[j] = vdupq_n_s32(0);
+        for (int j = 0; j < NT; j++) s[j] = vdotq_s32(vdotq_s32(s[j], lo[j], xl), hi[j], xh);
+        const int32x4_t sums = vpaddq_s32(vpaddq_s32(s[0], s[1]), vpaddq_s32(s[2], s[3]));  // lane j: row j
+        const int64_t ab = (m + r) * a.ldb + b;
+        float32x4_t t = vmulq_f32(vmulq_n_f32(dw, a.d[ab]), vcvtq_f32_s32(sums));
+        if (QT != Q8_0) t = vaddq_f32(t, vmulq_n_f32(cw, a.s[ab]));
+        acc[r] = vaddq_f32(acc[r], t);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++) {
+    float v[4];
+    vst1q_f32(v, acc[r]);
+    for (int j = 0; j < NT; j++) out[(m + r) * ldo + j] = v[j];
+  }
+}
+
+// ---- 256-blocks -------------------------------------------------------------------------------
+// A block's 256 codes (unsigned, natural order) into q, by 16-byte vectors.
+template <int QT>
+inline void codes256(const uint8_t* p, uint8_t* q) {
+  const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(0x03);
+  if (QT == Q4_K || QT == Q5_K) {
+    const uint8_t* ql = p + (QT == Q4_K ? 16 : 48);
+    const uint8x16_t h0 = vld1q_u8(p + 16), h1 = vld1q_u8(p + 32);  // Q5_K's high bits
+    for (int c = 0; c < 4; c++) {
+      const uint8x16_t v0 = vld1q_u8(ql + 32 * c), v1 = vld1q_u8(ql + 32 * c + 16);
+      uint8x16_t a = vandq_u8(v0, m4), b = vandq_u8(v1, m4), e = vshrq_n_u8(v0, 4), f = vshrq_n_u8(v1, 4);
+      if (QT == Q5_K) {  // bit 2c of qh[t] is bit 4 of value 64c + t's code, bit 2c + 1 of value 64c + 32 + t's
+        const int8x16_t s0 = vdupq_n_s8((int8_t)(4 - 2 * c)), s1 = vdupq_n_s8((int8_t)(3 - 2 * c));
+        const uint8x16_t b4 = vdupq_n_u8(0x10);
+        a = vorrq_u8(a, vandq_u8(vshlq_u8(h0, s0), b4));
+        b = vorrq_u8(b, vandq_u8(vshlq_u8(h1, s0), b4));
+        e = vorrq_u8(e, vandq_u8(vshlq_u8(h0, s1), b4));
+        f = vorrq_u8(f, vandq_u8(vshlq_u8(h1, s1), b4));
+      }
+      vst1q_u8(q + 64 * c, a);
+      vst1q_u8(q + 64 * c + 16, b);
+      vst1q_u8(q + 64 * c + 32, e);
+      vst1q_u8(q + 64 * c + 48, f);
+    }
+  } else if (QT == Q6_K) {
+    const uint8x16_t m30 = vdupq_n_u8(0x30);
+    for (int h = 0; h < 2; h++) {
+      const uint8_t* ql = p + 64 * h;
+      const uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 16), l2 = vld1q_u8(ql + 32), l3 = vld1q_u8(ql + 48);
+      const uint8x16_t qh0 = vld1q_u8(p + 128 + 32 * h), qh1 = vld1q_u8(p + 128 + 32 * h + 16);
+      uint8_t* o = q + 128 * h;
+      vst1q_u8(o + 0, vorrq_u8(vandq_u8(l0, m4), vandq_u8(vshlq_n_u8(qh0, 4), m30)));
+      vst1q_u8(o + 16, vorrq_u8(vandq_u8(l1, m4), vandq_u8(vshlq_n_u8(qh1, 4), m30)));
+      vst1q_u8(o + 32, vorrq_u8(vandq_u8(l2, m4), vandq_u8(vshlq_n_u8(qh0, 2), m30)));
+      vst1q_u8(o + 48, vorrq_u8(vandq_u8(l3, m4), vandq_u8(vshlq_n_u8(qh1, 2), m30)));
+      vst1q_u8(o + 64, vorrq_u8(vshrq_n_u8(l0, 4), vandq_u8(qh0, m30)));
+      vst1q_u8(o + 80, vorrq_u8(vshrq_n_u8(l1, 4), vandq_u8(qh1, m30)));
+      vst1q_u8(o + 96, vorrq_u8(vshrq_n_u8(l2, 4), vandq_u8(vshrq_n_u8(qh0, 2), m30)));
+      vst1q_u8(o + 112, vorrq_u8(vshrq_n_u8(l3, 4), vandq_u8(vshrq_n_u8(qh1, 2), m30)));
+    }
+  } else {  // Q2_K, Q3_K: value 128h + 32s + t: bits 2s of qs[32h + t]; Q3_K: + 4 x bit 4h + s of hmask[t]
+    const uint8x16_t hm0 = vld1q_u8(p), hm1 = vld1q_u8(p + 16);
+    for (int h = 0; h < 2; h++) {
+      const uint8_t* qs = p + (QT == Q3_K ? 32 : 16) + 32 * h;
+      const uint8x16_t v0 = vld1q_u8(qs), v1 = vld1q_u8(qs + 16);
+      for (int s = 0; s < 4; s++) {
+        const int8x16_t sh = vdupq_n_s8((int8_t)(-2 * s));
+        uint8x16_t a = vandq_u8(vshlq_u8(v0, sh), m3), b = vandq_u8(vshlq_u8(v1, sh), m3);
+        if (QT == Q3_K) {
+          const int8x16_t hs = vdupq_n_s8((int8_t)(2 - 4 * h - s));
+          a = vorrq_u8(a, vandq_u8(vshlq_u8(hm0, hs), vdupq_n_u8(4)));
+          b = vorrq_u8(b, vandq_u8(vshlq_u8(hm1, hs), vdupq_n_u8(4)));
+        }
+        vst1q_u8(q + 128 * h + 32 * s, a);
+        vst1q_u8(q + 128 * h + 32 * s + 16, b);
+      }
+    }
+  }
+}
+
+// isum = sum_j sc[j] (codes . x over 16 values j), imin = sum_j mn[j] bsums[j]: exact int32.
+inline void block_dot(const uint8_t* q, const int16_t* sc, const int16_t* mn, const int8_t* x, const int16_t* bs,
+                      int& isum, int& imin) {
+  int32x4_t acc = vdupq_n_s32(0);
+  for (int j = 0; j < 16; j++) {
+    const int32x4_t t = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(vld1q_u8(q + 16 * j)), vld1q_s8(x + 16 * j));
+    acc = vmlaq_n_s32(acc, t, sc[j]);
+  }
+  isum = vaddvq_s32(acc);
+  int32x4_t mm = vmull_s16(vld1_s16(mn), vld1_s16(bs));
+  mm = vmlal_s16(mm, vld1_s16(mn + 4), vld1_s16(bs + 4));
+  mm = vmlal_s16(mm, vld1_s16(mn + 8), vld1_s16(bs + 8));
+  mm = vmlal_s16(mm, vld1_s16(mn + 12), vld1_s16(bs + 12));
+  imin = vaddvq_s32(mm);
+}
+
+template <int QT, int MT, int NT>
+void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  float acc[MT][NT];
+  for (int r = 0; r < MT; r++)
+    for (int j = 0; j < NT; j++) acc[r][j] = 0.0f;
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
+  alignas(16) uint8_t q[NT][256];
+  KScales k[NT];
+  for (int64_t b = 0; b < nb; b++) {
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
+    for (int j = 0; j < NT; j++) {
+      const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
+      decode_kscales(QT, p, k[j]);
+      codes256<QT>(p, q[j]);
+    }
+    for (int r = 0; r < MT; r++) {
+      const int64_t ab = (m + r) * a.ldb + b;
+      const float dx = a.d[ab];
+      for (int j = 0; j < NT; j++) {
+        int isum, imin;
+        block_dot(q[j], k[j].sc, k[j].mn, a.q + (m + r) * a.ldq + b * 256, a.bsums + ab * 16, isum, imin);
+        acc[r][j] += dx * (k[j].D * (float)isum - k[j].Dm * (float)imin);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++)
+    for (int j = 0; j < NT; j++) out[(m + r) * ldo + j] = acc[r][j];
+}
+
+// Register budget (32 NEON registers): 4 activation rows a tile; 4 weight rows a tile by default
+// for 32-blocks (the lanes of their float steps), 2 for K-quants; no ARM host has tuned these yet.
+constexpr int MT_B32 = 4, NT_B32 = 4, MT_K = 4, NT_K = 2, NT_M1 = 4, NT_M1_LONG = 4, ONE_PASS_ROWS = 0;
+template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 ||
+                                        QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;
+#include "tile_driver.inc"
+
+const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob};
+
+}  // namespace
+}  // namespace wb
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+extern "C" const wb::Kernels* wb_kernels_arm() { return &wb::kTable; }
+
+extern "C" int wb_arm_features() {
+  int f = 0;
+#if defined(__linux__)
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
+  if (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) f |= WB_ARM_DOTPROD;
+  if (getauxval(AT_HWCAP2) & HWCAP2_I8MM) f |= WB_ARM_I8MM;
+#elif defined(__APPLE__)
+  int v = 0;
+  size_t n = sizeof v;
+  if (sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &n, nullptr, 0) == 0 && v) f |= WB_ARM_DOTPROD;
+  v = 0;
+  n = sizeof v;
+  if (sysctlbyname("hw.optional.arm.FEAT_I8MM", &v, &n, nullptr, 0) == 0 && v) f |= WB_ARM_I8MM;
+#endif
+  return f;
+}
+
+#else
 extern "C" const wb::Kernels* wb_kernels_arm() { return nullptr; }
 extern "C" int wb_arm_features() { return 0; }
+#endif
