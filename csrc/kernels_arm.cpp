@@ -182,61 +182,25 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
 }
 
 // ---- 256-blocks -------------------------------------------------------------------------------
-// A block's 256 codes (unsigned, natural order) into q, by 16-byte vectors.
+// Q2_K, Q3_K: a block's 256 codes (unsigned, natural order) into q, by 16-byte vectors. Value
+// 128h + 32s + t: bits 2s of qs[32h + t]; Q3_K: + 4 x bit 4h + s of hmask[t].
 template <int QT>
 inline void codes256(const uint8_t* p, uint8_t* q) {
-  const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(0x03);
-  if (QT == Q4_K || QT == Q5_K) {
-    const uint8_t* ql = p + (QT == Q4_K ? 16 : 48);
-    const uint8x16_t h0 = vld1q_u8(p + 16), h1 = vld1q_u8(p + 32);  // Q5_K's high bits
-    for (int c = 0; c < 4; c++) {
-      const uint8x16_t v0 = vld1q_u8(ql + 32 * c), v1 = vld1q_u8(ql + 32 * c + 16);
-      uint8x16_t a = vandq_u8(v0, m4), b = vandq_u8(v1, m4), e = vshrq_n_u8(v0, 4), f = vshrq_n_u8(v1, 4);
-      if (QT == Q5_K) {  // bit 2c of qh[t] is bit 4 of value 64c + t's code, bit 2c + 1 of value 64c + 32 + t's
-        const int8x16_t s0 = vdupq_n_s8((int8_t)(4 - 2 * c)), s1 = vdupq_n_s8((int8_t)(3 - 2 * c));
-        const uint8x16_t b4 = vdupq_n_u8(0x10);
-        a = vorrq_u8(a, vandq_u8(vshlq_u8(h0, s0), b4));
-        b = vorrq_u8(b, vandq_u8(vshlq_u8(h1, s0), b4));
-        e = vorrq_u8(e, vandq_u8(vshlq_u8(h0, s1), b4));
-        f = vorrq_u8(f, vandq_u8(vshlq_u8(h1, s1), b4));
+  const uint8x16_t m3 = vdupq_n_u8(0x03);
+  const uint8x16_t hm0 = vld1q_u8(p), hm1 = vld1q_u8(p + 16);
+  for (int h = 0; h < 2; h++) {
+    const uint8_t* qs = p + (QT == Q3_K ? 32 : 16) + 32 * h;
+    const uint8x16_t v0 = vld1q_u8(qs), v1 = vld1q_u8(qs + 16);
+    for (int s = 0; s < 4; s++) {
+      const int8x16_t sh = vdupq_n_s8((int8_t)(-2 * s));
+      uint8x16_t a = vandq_u8(vshlq_u8(v0, sh), m3), b = vandq_u8(vshlq_u8(v1, sh), m3);
+      if (QT == Q3_K) {
+        const int8x16_t hs = vdupq_n_s8((int8_t)(2 - 4 * h - s));
+        a = vorrq_u8(a, vandq_u8(vshlq_u8(hm0, hs), vdupq_n_u8(4)));
+        b = vorrq_u8(b, vandq_u8(vshlq_u8(hm1, hs), vdupq_n_u8(4)));
       }
-      vst1q_u8(q + 64 * c, a);
-      vst1q_u8(q + 64 * c + 16, b);
-      vst1q_u8(q + 64 * c + 32, e);
-      vst1q_u8(q + 64 * c + 48, f);
-    }
-  } else if (QT == Q6_K) {
-    const uint8x16_t m30 = vdupq_n_u8(0x30);
-    for (int h = 0; h < 2; h++) {
-      const uint8_t* ql = p + 64 * h;
-      const uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 16), l2 = vld1q_u8(ql + 32), l3 = vld1q_u8(ql + 48);
-      const uint8x16_t qh0 = vld1q_u8(p + 128 + 32 * h), qh1 = vld1q_u8(p + 128 + 32 * h + 16);
-      uint8_t* o = q + 128 * h;
-      vst1q_u8(o + 0, vorrq_u8(vandq_u8(l0, m4), vandq_u8(vshlq_n_u8(qh0, 4), m30)));
-      vst1q_u8(o + 16, vorrq_u8(vandq_u8(l1, m4), vandq_u8(vshlq_n_u8(qh1, 4), m30)));
-      vst1q_u8(o + 32, vorrq_u8(vandq_u8(l2, m4), vandq_u8(vshlq_n_u8(qh0, 2), m30)));
-      vst1q_u8(o + 48, vorrq_u8(vandq_u8(l3, m4), vandq_u8(vshlq_n_u8(qh1, 2), m30)));
-      vst1q_u8(o + 64, vorrq_u8(vshrq_n_u8(l0, 4), vandq_u8(qh0, m30)));
-      vst1q_u8(o + 80, vorrq_u8(vshrq_n_u8(l1, 4), vandq_u8(qh1, m30)));
-      vst1q_u8(o + 96, vorrq_u8(vshrq_n_u8(l2, 4), vandq_u8(vshrq_n_u8(qh0, 2), m30)));
-      vst1q_u8(o + 112, vorrq_u8(vshrq_n_u8(l3, 4), vandq_u8(vshrq_n_u8(qh1, 2), m30)));
-    }
-  } else {  // Q2_K, Q3_K: value 128h + 32s + t: bits 2s of qs[32h + t]; Q3_K: + 4 x bit 4h + s of hmask[t]
-    const uint8x16_t hm0 = vld1q_u8(p), hm1 = vld1q_u8(p + 16);
-    for (int h = 0; h < 2; h++) {
-      const uint8_t* qs = p + (QT == Q3_K ? 32 : 16) + 32 * h;
-      const uint8x16_t v0 = vld1q_u8(qs), v1 = vld1q_u8(qs + 16);
-      for (int s = 0; s < 4; s++) {
-        const int8x16_t sh = vdupq_n_s8((int8_t)(-2 * s));
-        uint8x16_t a = vandq_u8(vshlq_u8(v0, sh), m3), b = vandq_u8(vshlq_u8(v1, sh), m3);
-        if (QT == Q3_K) {
-          const int8x16_t hs = vdupq_n_s8((int8_t)(2 - 4 * h - s));
-          a = vorrq_u8(a, vandq_u8(vshlq_u8(hm0, hs), vdupq_n_u8(4)));
-          b = vorrq_u8(b, vandq_u8(vshlq_u8(hm1, hs), vdupq_n_u8(4)));
-        }
-        vst1q_u8(q + 128 * h + 32 * s, a);
-        vst1q_u8(q + 128 * h + 32 * s + 16, b);
-      }
+      vst1q_u8(q + 128 * h + 32 * s, a);
+      vst1q_u8(q + 128 * h + 32 * s + 16, b);
     }
   }
 }
@@ -257,8 +221,9 @@ inline void block_dot(const uint8_t* q, const int16_t* sc, const int16_t* mn, co
   imin = vaddvq_s32(mm);
 }
 
+// Q2_K, Q3_K: a block's codes decoded into a buffer (codes256), its scales by qblocks.inc.
 template <int QT, int MT, int NT>
-void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+void tile_k23(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   float acc[MT][NT];
   for (int r = 0; r < MT; r++)
     for (int j = 0; j < NT; j++) acc[r][j] = 0.0f;
@@ -284,6 +249,148 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
   }
   for (int r = 0; r < MT; r++)
     for (int j = 0; j < NT; j++) out[(m + r) * ldo + j] = acc[r][j];
+}
+
+// Q4_K, Q5_K: 64 values (32 code bytes) a step, both nibbles; the 6-bit scales and mins of a block
+// unpacked in NEON registers, the scale of each 32 values applied by vmlaq_laneq_s32 to its dot
+// products, the mins against the activations' sums of 32 (bsums32).
+template <int QT, int MT, int NT>
+void tile_k45(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  float acc[MT][NT];
+  for (int r = 0; r < MT; r++)
+    for (int j = 0; j < NT; j++) acc[r][j] = 0.0f;
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
+  const uint8x16_t m4 = vdupq_n_u8(0x0F), b4 = vdupq_n_u8(0x10);
+  for (int64_t b = 0; b < nb; b++) {
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
+    for (int j = 0; j < NT; j++) {
+      const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
+      uint32_t u[3];
+      memcpy(u, p + 4, 12);
+      const uint32_t s03 = u[0] & 0x3f3f3f3fu, m03 = u[1] & 0x3f3f3f3fu;
+      const uint32_t s47 = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+      const uint32_t m47 = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+      const uint16x8_t sc16 = vmovl_u8(vcreate_u8((uint64_t)s03 | ((uint64_t)s47 << 32)));
+      const int16x8_t mn16 = vreinterpretq_s16_u16(vmovl_u8(vcreate_u8((uint64_t)m03 | ((uint64_t)m47 << 32))));
+      const int32x4_t sc_lo = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(sc16)));
+      const int32x4_t sc_hi = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(sc16)));
+      const float D = WB_HALF(p), Dm = WB_HALF(p + 2);
+      const uint8_t* ql = p + (QT == Q4_K ? 16 : 48);
+      uint8x16_t h0, h1;
+      if (QT == Q5_K) {
+        h0 = vld1q_u8(p + 16);
+        h1 = vld1q_u8(p + 32);
+      }
+      int32x4_t isum[MT];
+      for (int r = 0; r < MT; r++) isum[r] = vdupq_n_s32(0);
+      for (int c = 0; c < 4; c++) {
+        const uint8x16_t v0 = vld1q_u8(ql + 32 * c), v1 = vld1q_u8(ql + 32 * c + 16);
+        uint8x16_t q0 = vandq_u8(v0, m4), q1 = vandq_u8(v1, m4), q2 = vshrq_n_u8(v0, 4), q3 = vshrq_n_u8(v1, 4);
+        if (QT == Q5_K) {  // bit 2c (2c + 1) of qh[t]: bit 4 of value 64c + t's (64c + 32 + t's) code
+          const int8x16_t s0 = vdupq_n_s8((int8_t)(4 - 2 * c)), s1 = vdupq_n_s8((int8_t)(3 - 2 * c));
+          q0 = vorrq_u8(q0, vandq_u8(vshlq_u8(h0, s0), b4));
+          q1 = vorrq_u8(q1, vandq_u8(vshlq_u8(h1, s0), b4));
+          q2 = vorrq_u8(q2, vandq_u8(vshlq_u8(h0, s1), b4));
+          q3 = vorrq_u8(q3, vandq_u8(vshlq_u8(h1, s1), b4));
+        }
+        for (int r = 0; r < MT; r++) {
+          const int8_t* x = a.q + (m + r) * a.ldq + b * 256 + 64 * c;
+          const int32x4_t d0 = vdotq_s32(vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(q0), vld1q_s8(x)),
+                                         vreinterpretq_s8_u8(q1), vld1q_s8(x + 16));
+          const int32x4_t d1 = vdotq_s32(vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(q2), vld1q_s8(x + 32)),
+                                         vreinterpretq_s8_u8(q3), vld1q_s8(x + 48));
+          // scales 2c and 2c + 1: lanes of sc_lo (c < 2) or sc_hi
+          switch (c) {
+            case 0: isum[r] = vmlaq_laneq_s32(vmlaq_laneq_s32(isum[r], d0, sc_lo, 0), d1, sc_lo, 1); break;
+            case 1: isum[r] = vmlaq_laneq_s32(vmlaq_laneq_s32(isum[r], d0, sc_lo, 2), d1, sc_lo, 3); break;
+            case 2: isum[r] = vmlaq_laneq_s32(vmlaq_laneq_s32(isum[r], d0, sc_hi, 0), d1, sc_hi, 1); break;
+            default: isum[r] = vmlaq_laneq_s32(vmlaq_laneq_s32(isum[r], d0, sc_hi, 2), d1, sc_hi, 3); break;
+          }
+        }
+      }
+      for (int r = 0; r < MT; r++) {
+        const int64_t ab = (m + r) * a.ldb + b;
+        const int16x8_t bs = vld1q_s16(a.bsums32 + ab * 8);
+        const int imin = vaddvq_s32(vmlal_high_s16(vmull_s16(vget_low_s16(mn16), vget_low_s16(bs)), mn16, bs));
+        const float dx = a.d[ab];
+        acc[r][j] += dx * (D * (float)vaddvq_s32(isum[r]) - Dm * (float)imin);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++)
+    for (int j = 0; j < NT; j++) out[(m + r) * ldo + j] = acc[r][j];
+}
+
+// Q6_K: 128 values (64 low-nibble bytes, 32 bytes of high bits) a step; the int8 scale of each
+// 16 values by vmlaq_laneq_s32; the offset 32 as 32 x sum_j sc_j bsums_j.
+template <int QT, int MT, int NT>
+void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  float acc[MT][NT];
+  for (int r = 0; r < MT; r++)
+    for (int j = 0; j < NT; j++) acc[r][j] = 0.0f;
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
+  const uint8x16_t m4 = vdupq_n_u8(0x0F), m30 = vdupq_n_u8(0x30);
+  for (int64_t b = 0; b < nb; b++) {
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
+    for (int j = 0; j < NT; j++) {
+      const uint8_t* p = w + j * row_bytes + b * kBB<QT>;
+      const int8x16_t s8 = vld1q_s8((const int8_t*)(p + 192));
+      const int16x8_t s16a = vmovl_s8(vget_low_s8(s8)), s16b = vmovl_high_s8(s8);
+      int32x4_t sc[4] = {vmovl_s16(vget_low_s16(s16a)), vmovl_high_s16(s16a), vmovl_s16(vget_low_s16(s16b)),
+                         vmovl_high_s16(s16b)};
+      const float D = WB_HALF(p + 208);
+      int32x4_t isum[MT];
+      for (int r = 0; r < MT; r++) isum[r] = vdupq_n_s32(0);
+      for (int h = 0; h < 2; h++) {
+        const uint8_t* ql = p + 64 * h;
+        const uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 16), l2 = vld1q_u8(ql + 32), l3 = vld1q_u8(ql + 48);
+        const uint8x16_t qh0 = vld1q_u8(p + 128 + 32 * h), qh1 = vld1q_u8(p + 128 + 32 * h + 16);
+        int8x16_t q[8];  // values 128h + 16i
+        q[0] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(l0, m4), vandq_u8(vshlq_n_u8(qh0, 4), m30)));
+        q[1] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(l1, m4), vandq_u8(vshlq_n_u8(qh1, 4), m30)));
+        q[2] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(l2, m4), vandq_u8(vshlq_n_u8(qh0, 2), m30)));
+        q[3] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(l3, m4), vandq_u8(vshlq_n_u8(qh1, 2), m30)));
+        q[4] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(l0, 4), vandq_u8(qh0, m30)));
+        q[5] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(l1, 4), vandq_u8(qh1, m30)));
+        q[6] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(l2, 4), vandq_u8(vshrq_n_u8(qh0, 2), m30)));
+        q[7] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(l3, 4), vandq_u8(vshrq_n_u8(qh1, 2), m30)));
+        const int32x4_t sa = sc[2 * h], sb = sc[2 * h + 1];  // scales 8h..8h+3, 8h+4..8h+7
+        for (int r = 0; r < MT; r++) {
+          const int8_t* x = a.q + (m + r) * a.ldq + b * 256 + 128 * h;
+          int32x4_t t = isum[r];
+          t = vmlaq_laneq_s32(t, vdotq_s32(vdupq_n_s32(0), q[0], vld1q_s8(x)), sa, 0);
+          t = vmlaq_laneq_s32(t, vdotq_s32(vdupq_n_s32(0), q[1], vld1q_s8(x + 16)), sa, 1);
+          t = vmlaq_laneq_s32(t, vdotq_s32(vdupq_n_s32(0), q[2], vld1q_s8(x + 32)), sa, 2);
+          t = vmlaq_laneq_s32(t, vdotq_s32(vdupq_n_s32(0), q[3], vld1q_s8(x + 48)), sa, 3);
+          t = vmlaq_laneq_s32(t, vdotq_s32(vdupq_n_s32(0), q[4], vld1q_s8(x + 64)), sb, 0);
+          t = vmlaq_laneq_s32(t, vdotq_s32(vdupq_n_s32(0), q[5], vld1q_s8(x + 80)), sb, 1);
+          t = vmlaq_laneq_s32(t, vdotq_s32(vdupq_n_s32(0), q[6], vld1q_s8(x + 96)), sb, 2);
+          t = vmlaq_laneq_s32(t, vdotq_s32(vdupq_n_s32(0), q[7], vld1q_s8(x + 112)), sb, 3);
+          isum[r] = t;
+        }
+      }
+      for (int r = 0; r < MT; r++) {
+        const int64_t ab = (m + r) * a.ldb + b;
+        const int16x8_t bs0 = vld1q_s16(a.bsums + ab * 16), bs1 = vld1q_s16(a.bsums + ab * 16 + 8);
+        int32x4_t mm = vmull_s16(vget_low_s16(s16a), vget_low_s16(bs0));
+        mm = vmlal_high_s16(mm, s16a, bs0);
+        mm = vmlal_s16(mm, vget_low_s16(s16b), vget_low_s16(bs1));
+        mm = vmlal_high_s16(mm, s16b, bs1);
+        const int imin = 32 * vaddvq_s32(mm);
+        const float dx = a.d[ab];
+        acc[r][j] += dx * (D * (float)vaddvq_s32(isum[r]) - D * (float)imin);
+      }
+    }
+  }
+  for (int r = 0; r < MT; r++)
+    for (int j = 0; j < NT; j++) out[(m + r) * ldo + j] = acc[r][j];
+}
+
+template <int QT, int MT, int NT>
+void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  if constexpr (QT == Q4_K || QT == Q5_K) tile_k45<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
+  else if constexpr (QT == Q6_K) tile_k6<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
+  else tile_k23<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
 }
 
 // Register budget (32 NEON registers): 4 activation rows a tile; 4 weight rows a tile by default
