@@ -25,7 +25,7 @@
 
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
-#pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("dotprod,i8mm"))), apply_to = function)
 #else
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+dotprod+i8mm")
@@ -140,9 +140,86 @@ inline void codes32(const uint8_t* c, int64_t G, int64_t i, int8x16_t& lo, int8x
   hi = vreinterpretq_s8_u8(h);
 }
 
+// Whether this CPU has i8mm (vmmlaq_s32), read once; the tiles below take it where they can.
+const bool g_i8mm = (wb_arm_features() & WB_ARM_I8MM) != 0;
+
+// i8mm: 2 weight rows x 2 activation rows a vmmlaq_s32 (8 values of each: 32 products, twice a
+// vdotq_s32's), lanes (j, r), (j, r + 1), (j + 1, r), (j + 1, r + 1); the float steps of each lane
+// are the generic level's as in tile_b32. MT and NT even.
+template <int QT, int MT, int NT>
+void tile_b32_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out,
+                 int64_t ldo) {
+  static_assert(MT % 2 == 0 && NT % 2 == 0 && NT <= 4, "pairs of rows");
+  constexpr int QB = kQB<QT>;
+  const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb, groups = (nb + 3) / 4;
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
+  float32x4_t acc[MT / 2][NT / 2];
+  for (int r = 0; r < MT / 2; r++)
+    for (int j = 0; j < NT / 2; j++) acc[r][j] = vdupq_n_f32(0.0f);
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t G = nb - 4 * g < 4 ? nb - 4 * g : 4;
+    prefetch_tile_share(w, NT * row_bytes, groups, g, pf);
+    for (int64_t i = 0; i < G; i++) {
+      const int64_t b = 4 * g + i;
+      int8x16_t wq[NT / 2][4];  // a pair's codes: values 0-7, 8-15, 16-23, 24-31 of both rows
+      for (int j = 0; j < NT; j += 2) {
+        int8x16_t lo0, hi0, lo1, hi1;
+        codes32<QT>(w + j * row_bytes + qoff + 4 * g * QB, G, i, lo0, hi0);
+        codes32<QT>(w + (j + 1) * row_bytes + qoff + 4 * g * QB, G, i, lo1, hi1);
+        wq[j / 2][0] = vreinterpretq_s8_s64(vzip1q_s64(vreinterpretq_s64_s8(lo0), vreinterpretq_s64_s8(lo1)));
+        wq[j / 2][1] = vreinterpretq_s8_s64(vzip2q_s64(vreinterpretq_s64_s8(lo0), vreinterpretq_s64_s8(lo1)));
+        wq[j / 2][2] = vreinterpretq_s8_s64(vzip1q_s64(vreinterpretq_s64_s8(hi0), vreinterpretq_s64_s8(hi1)));
+        wq[j / 2][3] = vreinterpretq_s8_s64(vzip2q_s64(vreinterpretq_s64_s8(hi0), vreinterpretq_s64_s8(hi1)));
+      }
+      const float32x4_t d4 = halves4<NT>(w, row_bytes, 2 * b);  // rows 0..3
+      float32x4_t c4 = vdupq_n_f32(0.0f);
+      if (QT == Q4_0 || QT == Q5_0) c4 = vmulq_n_f32(d4, (float)format_facts(QT).offset);
+      if (kHasMin<QT>) c4 = halves4<NT>(w, row_bytes, 2 * nb + 2 * b);
+      // per pair of weight rows: [d_j, d_j, d_j+1, d_j+1]
+      const float32x4_t dw[2] = {vzip1q_f32(d4, d4), vzip2q_f32(d4, d4)};
+      const float32x4_t cw[2] = {vzip1q_f32(c4, c4), vzip2q_f32(c4, c4)};
+      for (int r = 0; r < MT; r += 2) {
+        const int8_t* x0 = a.q + (m + r) * a.ldq + 32 * b;
+        const int8_t* x1 = x0 + a.ldq;
+        const int64x2_t l0 = vreinterpretq_s64_s8(vld1q_s8(x0)), l1 = vreinterpretq_s64_s8(vld1q_s8(x1));
+        const int64x2_t h0 = vreinterpretq_s64_s8(vld1q_s8(x0 + 16)), h1 = vreinterpretq_s64_s8(vld1q_s8(x1 + 16));
+        const int8x16_t xq[4] = {vreinterpretq_s8_s64(vzip1q_s64(l0, l1)), vreinterpretq_s8_s64(vzip2q_s64(l0, l1)),
+                                 vreinterpretq_s8_s64(vzip1q_s64(h0, h1)), vreinterpretq_s8_s64(vzip2q_s64(h0, h1))};
+        const int64_t ab = (m + r) * a.ldb + b;
+        const float32x2_t dx2 = {a.d[ab], a.d[ab + a.ldb]};
+        const float32x4_t dx = vcombine_f32(dx2, dx2);  // [dx_r, dx_r+1, dx_r, dx_r+1]
+        float32x4_t sx = vdupq_n_f32(0.0f);
+        if (QT != Q8_0) {
+          const float32x2_t s2 = {a.s[ab], a.s[ab + a.ldb]};
+          sx = vcombine_f32(s2, s2);
+        }
+        for (int j = 0; j < NT / 2; j++) {
+          int32x4_t sum = vdupq_n_s32(0);
+          for (int k = 0; k < 4; k++) sum = vmmlaq_s32(sum, wq[j][k], xq[k]);
+          float32x4_t t = vmulq_f32(vmulq_f32(dw[j], dx), vcvtq_f32_s32(sum));
+          if (QT != Q8_0) t = vaddq_f32(t, vmulq_f32(cw[j], sx));
+          acc[r / 2][j] = vaddq_f32(acc[r / 2][j], t);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MT / 2; r++)
+    for (int j = 0; j < NT / 2; j++) {
+      float v[4];
+      vst1q_f32(v, acc[r][j]);
+      out[(m + 2 * r) * ldo + 2 * j] = v[0];
+      out[(m + 2 * r + 1) * ldo + 2 * j] = v[1];
+      out[(m + 2 * r) * ldo + 2 * j + 1] = v[2];
+      out[(m + 2 * r + 1) * ldo + 2 * j + 1] = v[3];
+    }
+}
+
 template <int QT, int MT, int NT>
 void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
   static_assert(NT <= 4, "weight rows are the 4 lanes");
+  if constexpr (MT % 2 == 0 && NT % 2 == 0) {
+    if (g_i8mm) return tile_b32_mm<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
+  }
   constexpr int QB = kQB<QT>;
   const int64_t qoff = (kHasMin<QT> ? 4 : 2) * nb, groups = (nb + 3) / 4;
   const int64_t pf = prefetch_distance<QT>(NT * row_bytes);

@@ -2,8 +2,8 @@
 of their own and checked against the portable level and gguf's dequantization, for every format,
 tile shape and tuning knob. Natively here (x86: the avx2 and avx512 levels within the bound of
 test_kernels.py, stable across knobs), and for aarch64 under qemu-aarch64-static where the cross
-compiler and qemu are installed (the arm level bit for bit the portable one's; `make test-arm`
-installs them)."""
+compiler and qemu are installed (the arm level bit for bit the portable one's, with and without
+its i8mm tiles, and the fallback where the CPU lacks dotprod; `make test-arm` installs them)."""
 from __future__ import annotations
 
 import os
@@ -38,8 +38,10 @@ def test_the_arm_level_is_the_portable_levels_bits_under_qemu(tmp_path):
     if not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64-static")):
         pytest.skip("needs g++-aarch64-linux-gnu and qemu-user-static: `make test-arm` installs them (as root)")
     out = run_harness("arm", tmp_path)
-    with_dotprod, without = out.split("== qemu-aarch64-static -cpu cortex-a53")
-    assert "levels on this CPU: generic arm" in with_dotprod
-    assert with_dotprod.count("bit for bit the generic level's") == 10  # every format of the table
-    assert "levels on this CPU: generic " in without and " arm " not in without.split("\n")[1]
-    assert out.count("passed:") == 2 and "FAIL" not in out
+    with_i8mm, dotprod_only, neither = out.split("== qemu-aarch64-static -cpu ")[1:]
+    for run in (with_i8mm, dotprod_only):  # the i8mm tiles of several rows, then the dotprod ones alone
+        assert "levels on this CPU: generic arm" in run
+        assert run.count("bit for bit the generic level's") == 10  # every format of the table
+    assert "i8mm 1" in with_i8mm and "dotprod 1, i8mm 0" in dotprod_only
+    assert "levels on this CPU: generic " in neither and " arm " not in neither.split("\n")[1]
+    assert out.count("passed:") == 3 and "FAIL" not in out

@@ -4,7 +4,8 @@
 #
 #   tests/kernel_harness/run.sh native   this machine's compiler and CPU (x86: the avx2/avx512 levels)
 #   tests/kernel_harness/run.sh arm      cross-compiled for aarch64 and run under qemu-aarch64-static,
-#                                        with dotprod and i8mm (-cpu max: the arm level) and without
+#                                        with dotprod and i8mm (-cpu max: the arm level, its i8mm
+#                                        tiles), dotprod alone (-cpu neoverse-n1) and neither
 #                                        (-cpu cortex-a53: the fallback to the portable level)
 #
 # `arm` installs g++-aarch64-linux-gnu and qemu-user-static with apt-get where it runs as root and
@@ -45,6 +46,8 @@ case "$mode" in
     nice aarch64-linux-gnu-g++ "${FLAGS[@]}" -static "${SRC[@]}" -o "$BUILD/harness-aarch64"
     echo "== qemu-aarch64-static -cpu max (dotprod, i8mm, SVE)"
     qemu-aarch64-static -cpu max "$BUILD/harness-aarch64" --data "$data"
+    echo "== qemu-aarch64-static -cpu neoverse-n1 (dotprod without i8mm: the arm level's dotprod tiles alone)"
+    qemu-aarch64-static -cpu neoverse-n1 "$BUILD/harness-aarch64" --data "$data"
     echo "== qemu-aarch64-static -cpu cortex-a53 (armv8.0: no dotprod, the portable level alone)"
     qemu-aarch64-static -cpu cortex-a53 "$BUILD/harness-aarch64" --data "$data"
     ;;
