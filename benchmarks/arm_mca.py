@@ -5,10 +5,11 @@ loops GCC emits for csrc/kernels_arm.cpp, for Apple M1 and Neoverse V1/V2/N2 cor
 
 Compiles kernels_arm.cpp for aarch64 as setup.py would (aarch64-linux-gnu-g++ -O3, fp-contract off;
 the file sets armv8.2-a+dotprod+i8mm itself), takes from each tile function named below the
-shortest loop that holds the most of its `sdot`s (the per-block loop, or per group of 4 32-blocks
-where GCC unrolled the group; each sdot is 16 weights of one activation row), and runs `llvm-mca -mcpu=CPU` on that loop body as straight-line code
+shortest loop that holds the most of its products (`sdot`: 16 weights x 1 activation row;
+`smmla`: 2 x 2 x 8; the per-block loop, or per group of 4 32-blocks where GCC unrolled the group),
+and runs `llvm-mca -mcpu=CPU` on that loop body as straight-line code
 (both sides of any branch inside counted). Reports llvm-mca's block reciprocal throughput (cycles
-an iteration in the steady state) and cycles per 256 weights per activation row.
+an iteration in the steady state) and cycles per 256 weight x activation-row products.
 
 A model, not a measurement: llvm-mca assumes every load hits L1 and knows nothing of the memory
 bandwidth that bounds batch 1 on real hardware; `apple-m1` uses LLVM's Cyclone-derived model.
@@ -34,6 +35,8 @@ QT = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K":
 LOOPS = [(f, "tile_b32", mt, 4) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") for mt in (1, 4)]
 LOOPS += [(f, fn, mt, 1) for f, fn in (("Q4_K", "tile_k45"), ("Q5_K", "tile_k45"), ("Q6_K", "tile_k6"),
                                         ("Q2_K", "tile_k23"), ("Q3_K", "tile_k23")) for mt in (1, 4)]
+# the i8mm tiles of several rows (CPUs with FEAT_I8MM)
+LOOPS += [(f, "tile_b32_mm", 4, 4) for f in ("Q4_0", "Q8_0")] + [(f, "tile_k_mm", 4, 2) for f in ("Q4_K", "Q6_K")]
 BRANCH = re.compile(r"^\s*(b\.?\w*|cbn?z|tbn?z)\s+(?:[^,]+,\s*)*(\.L\w+)\s*$")
 
 
@@ -58,22 +61,28 @@ def function_body(asm: list[str], fn: str, qt: int, mt: int, nt: int) -> list[st
     return asm[start:end]
 
 
-def inner_loop(body: list[str]) -> list[str]:
-    """Of the loops (a label and a later branch back to it), the shortest that holds the most sdots."""
+def products(lines: list[str], op: str) -> int:
+    """Weight x activation products of these instructions' op: sdot 16, smmla 32 (2 x 2 x 8)."""
+    return (16 if op == "sdot" else 32) * sum(f"\t{op}\t" in x for x in lines)
+
+
+def inner_loop(body: list[str], op: str) -> list[str]:
+    """Of the loops (a label and a later branch back to it), the shortest that holds the most products
+    by op (a dotprod tile of several rows also holds its i8mm sibling, inlined behind a branch)."""
     labels = {line[:-1]: i for i, line in enumerate(body) if re.match(r"^\.L\w+:$", line)}
     best = None  # (sdots, -length, i, j)
     for j, line in enumerate(body):
         m = BRANCH.match(line)
         if m and m.group(2) in labels and labels[m.group(2)] < j:
             i = labels[m.group(2)]
-            key = (sum("sdot" in x for x in body[i:j + 1]), i - j, i, j)
+            key = (products(body[i:j + 1], op), i - j, i, j)
             best = key if best is None or key > best else best
     _, _, i, j = best
     return [x for x in body[i:j + 1] if x.startswith("\t") and not x.lstrip().startswith(".")]
 
 
 def mca(loop: list[str], cpu: str, tool: str) -> dict:
-    out = subprocess.run([tool, "-mtriple=aarch64", f"-mcpu={cpu}", "-iterations=200"], input="\n".join(loop) + "\n",
+    out = subprocess.run([tool, "-mtriple=aarch64", f"-mcpu={cpu}", "-mattr=+dotprod,+i8mm", "-iterations=200"], input="\n".join(loop) + "\n",
                          capture_output=True, text=True, check=True).stdout
     field = lambda key: float(re.search(rf"{key}:\s+([\d.]+)", out).group(1))
     return {"block_rthroughput": field("Block RThroughput"), "cycles_per_iteration": field("Total Cycles") / 200,
@@ -91,18 +100,20 @@ def main() -> None:
     version = subprocess.run([args.mca, "--version"], capture_output=True, text=True).stdout
     rows = []
     for fmt, fn, mt, nt in LOOPS:
-        loop = inner_loop(function_body(asm, fn, QT[fmt], mt, nt))
-        sdots = sum("sdot" in x for x in loop)
-        weights = sdots * 16 // mt  # one sdot: 16 weights of one activation row
+        op = "smmla" if fn.endswith("_mm") else "sdot"
+        loop = inner_loop(function_body(asm, fn, QT[fmt], mt, nt), op)
+        weights = products(loop, op) // mt  # weights a loop iteration, per activation row
         row = {"format": fmt, "tile": f"{fn}<{fmt}, MT={mt}, NT={nt}>", "activation_rows": mt, "weight_rows": nt,
-               "weights_per_iteration_per_row": weights, "loop_sdots": sdots, "loop_instructions": len(loop), "cpus": {}}
+               "weights_per_iteration_per_row": weights, "loop_products": products(loop, op), "loop_instructions": len(loop), "cpus": {}}
         for cpu in CPUS:
+            if op == "smmla" and cpu == "apple-m1":
+                continue  # M1 has no i8mm (M2 and later do; LLVM models them as M1-like cores)
             r = mca(loop, cpu, args.mca)
             r["cycles_per_256_weights_per_row"] = round(r["block_rthroughput"] * 256 / weights / mt, 2)
             row["cpus"][cpu] = r
         rows.append(row)
         print(f"{row['tile']:32s} " + "  ".join(f"{c} {row['cpus'][c]['cycles_per_256_weights_per_row']:6.2f}"
-                                                 for c in CPUS), flush=True)
+                                                 for c in CPUS if c in row["cpus"]), flush=True)
     result = {
         "what": "llvm-mca block reciprocal throughput of the arm level's per-block loops, as cycles per 256 weights "
                 "per activation row (a model: every load an L1 hit, no memory bandwidth)",
@@ -112,9 +123,9 @@ def main() -> None:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "notes": "Batch 1 (MT=1) is bound by memory bandwidth on real cores long before these cycles for most "
                  "formats; the model says how much compute a core spends per weight, not tokens/s. Where the loop "
-                 "found is an inner loop of the tile (tile_k23 at MT=4: its dot loop, not the decoding of the "
-                 "codes into the buffer, which runs once per block for the MT rows), the figure leaves that "
-                 "work out. llama.cpp's loops are not modelled here yet (issue 53).",
+                 "found is an inner loop of the tile (tile_k23 at MT=4 and tile_k_mm: their dot loops, not the "
+                 "decoding of the codes into the buffer, which runs once a block for the tile's activation rows), "
+                 "the figure leaves that work out. The i8mm rows have no apple-m1 figure (M1 has no i8mm). llama.cpp's loops are not modelled here yet (issue 53).",
         "loops": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -259,25 +259,62 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
 }
 
 // ---- 256-blocks -------------------------------------------------------------------------------
-// Q2_K, Q3_K: a block's 256 codes (unsigned, natural order) into q, by 16-byte vectors. Value
-// 128h + 32s + t: bits 2s of qs[32h + t]; Q3_K: + 4 x bit 4h + s of hmask[t].
+// A block's 256 codes (unsigned, natural order) into q, by 16-byte vectors (the tiles of Q2_K and
+// Q3_K, and the i8mm tiles of every K-quant).
 template <int QT>
 inline void codes256(const uint8_t* p, uint8_t* q) {
-  const uint8x16_t m3 = vdupq_n_u8(0x03);
-  const uint8x16_t hm0 = vld1q_u8(p), hm1 = vld1q_u8(p + 16);
-  for (int h = 0; h < 2; h++) {
-    const uint8_t* qs = p + (QT == Q3_K ? 32 : 16) + 32 * h;
-    const uint8x16_t v0 = vld1q_u8(qs), v1 = vld1q_u8(qs + 16);
-    for (int s = 0; s < 4; s++) {
-      const int8x16_t sh = vdupq_n_s8((int8_t)(-2 * s));
-      uint8x16_t a = vandq_u8(vshlq_u8(v0, sh), m3), b = vandq_u8(vshlq_u8(v1, sh), m3);
-      if (QT == Q3_K) {
-        const int8x16_t hs = vdupq_n_s8((int8_t)(2 - 4 * h - s));
-        a = vorrq_u8(a, vandq_u8(vshlq_u8(hm0, hs), vdupq_n_u8(4)));
-        b = vorrq_u8(b, vandq_u8(vshlq_u8(hm1, hs), vdupq_n_u8(4)));
+  const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(0x03);
+  if (QT == Q4_K || QT == Q5_K) {
+    const uint8_t* ql = p + (QT == Q4_K ? 16 : 48);
+    const uint8x16_t h0 = vld1q_u8(p + 16), h1 = vld1q_u8(p + 32);  // Q5_K's high bits
+    for (int c = 0; c < 4; c++) {
+      const uint8x16_t v0 = vld1q_u8(ql + 32 * c), v1 = vld1q_u8(ql + 32 * c + 16);
+      uint8x16_t a = vandq_u8(v0, m4), b = vandq_u8(v1, m4), e = vshrq_n_u8(v0, 4), f = vshrq_n_u8(v1, 4);
+      if (QT == Q5_K) {  // bit 2c of qh[t] is bit 4 of value 64c + t's code, bit 2c + 1 of value 64c + 32 + t's
+        const int8x16_t s0 = vdupq_n_s8((int8_t)(4 - 2 * c)), s1 = vdupq_n_s8((int8_t)(3 - 2 * c));
+        const uint8x16_t b4 = vdupq_n_u8(0x10);
+        a = vorrq_u8(a, vandq_u8(vshlq_u8(h0, s0), b4));
+        b = vorrq_u8(b, vandq_u8(vshlq_u8(h1, s0), b4));
+        e = vorrq_u8(e, vandq_u8(vshlq_u8(h0, s1), b4));
+        f = vorrq_u8(f, vandq_u8(vshlq_u8(h1, s1), b4));
       }
-      vst1q_u8(q + 128 * h + 32 * s, a);
-      vst1q_u8(q + 128 * h + 32 * s + 16, b);
+      vst1q_u8(q + 64 * c, a);
+      vst1q_u8(q + 64 * c + 16, b);
+      vst1q_u8(q + 64 * c + 32, e);
+      vst1q_u8(q + 64 * c + 48, f);
+    }
+  } else if (QT == Q6_K) {
+    const uint8x16_t m30 = vdupq_n_u8(0x30);
+    for (int h = 0; h < 2; h++) {
+      const uint8_t* ql = p + 64 * h;
+      const uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 16), l2 = vld1q_u8(ql + 32), l3 = vld1q_u8(ql + 48);
+      const uint8x16_t qh0 = vld1q_u8(p + 128 + 32 * h), qh1 = vld1q_u8(p + 128 + 32 * h + 16);
+      uint8_t* o = q + 128 * h;
+      vst1q_u8(o + 0, vorrq_u8(vandq_u8(l0, m4), vandq_u8(vshlq_n_u8(qh0, 4), m30)));
+      vst1q_u8(o + 16, vorrq_u8(vandq_u8(l1, m4), vandq_u8(vshlq_n_u8(qh1, 4), m30)));
+      vst1q_u8(o + 32, vorrq_u8(vandq_u8(l2, m4), vandq_u8(vshlq_n_u8(qh0, 2), m30)));
+      vst1q_u8(o + 48, vorrq_u8(vandq_u8(l3, m4), vandq_u8(vshlq_n_u8(qh1, 2), m30)));
+      vst1q_u8(o + 64, vorrq_u8(vshrq_n_u8(l0, 4), vandq_u8(qh0, m30)));
+      vst1q_u8(o + 80, vorrq_u8(vshrq_n_u8(l1, 4), vandq_u8(qh1, m30)));
+      vst1q_u8(o + 96, vorrq_u8(vshrq_n_u8(l2, 4), vandq_u8(vshrq_n_u8(qh0, 2), m30)));
+      vst1q_u8(o + 112, vorrq_u8(vshrq_n_u8(l3, 4), vandq_u8(vshrq_n_u8(qh1, 2), m30)));
+    }
+  } else {  // Q2_K, Q3_K: value 128h + 32s + t: bits 2s of qs[32h + t]; Q3_K: + 4 x bit 4h + s of hmask[t]
+    const uint8x16_t hm0 = vld1q_u8(p), hm1 = vld1q_u8(p + 16);
+    for (int h = 0; h < 2; h++) {
+      const uint8_t* qs = p + (QT == Q3_K ? 32 : 16) + 32 * h;
+      const uint8x16_t v0 = vld1q_u8(qs), v1 = vld1q_u8(qs + 16);
+      for (int s = 0; s < 4; s++) {
+        const int8x16_t sh = vdupq_n_s8((int8_t)(-2 * s));
+        uint8x16_t a = vandq_u8(vshlq_u8(v0, sh), m3), b = vandq_u8(vshlq_u8(v1, sh), m3);
+        if (QT == Q3_K) {
+          const int8x16_t hs = vdupq_n_s8((int8_t)(2 - 4 * h - s));
+          a = vorrq_u8(a, vandq_u8(vshlq_u8(hm0, hs), vdupq_n_u8(4)));
+          b = vorrq_u8(b, vandq_u8(vshlq_u8(hm1, hs), vdupq_n_u8(4)));
+        }
+        vst1q_u8(q + 128 * h + 32 * s, a);
+        vst1q_u8(q + 128 * h + 32 * s + 16, b);
+      }
     }
   }
 }
@@ -463,8 +500,78 @@ void tile_k6(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, in
     for (int j = 0; j < NT; j++) out[(m + r) * ldo + j] = acc[r][j];
 }
 
+// i8mm, every K-quant: 2 weight rows x 2 activation rows a vmmlaq_s32, lanes (j, r), (j, r + 1),
+// (j + 1, r), (j + 1, r + 1); each pair's codes decoded into a buffer (codes256) and its scales by
+// qblocks.inc once a block for the MT activation rows; the sub-block scale of each 16 values by
+// vmlaq_s32 with the pair's [sc_j, sc_j, sc_j+1, sc_j+1]; the float steps the generic level's.
+template <int QT, int MT, int NT>
+void tile_k_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out,
+               int64_t ldo) {
+  static_assert(MT % 2 == 0 && NT % 2 == 0, "pairs of rows");
+  float32x4_t acc[MT / 2][NT / 2];
+  for (int r = 0; r < MT / 2; r++)
+    for (int j = 0; j < NT / 2; j++) acc[r][j] = vdupq_n_f32(0.0f);
+  const int64_t pf = prefetch_distance<QT>(NT * row_bytes);
+  alignas(16) uint8_t q[2][256];
+  for (int64_t b = 0; b < nb; b++) {
+    prefetch_tile_share(w, NT * row_bytes, nb, b, pf);
+    for (int j = 0; j < NT; j += 2) {
+      KScales k[2];
+      for (int t = 0; t < 2; t++) {
+        const uint8_t* p = w + (j + t) * row_bytes + b * kBB<QT>;
+        decode_kscales(QT, p, k[t]);
+        codes256<QT>(p, q[t]);
+      }
+      int32x4_t sc[16];  // [sc_j, sc_j, sc_j+1, sc_j+1] of each 16 values
+      for (int i = 0; i < 16; i++) sc[i] = (int32x4_t){k[0].sc[i], k[0].sc[i], k[1].sc[i], k[1].sc[i]};
+      const float32x4_t D = {k[0].D, k[0].D, k[1].D, k[1].D}, Dm = {k[0].Dm, k[0].Dm, k[1].Dm, k[1].Dm};
+      for (int r = 0; r < MT; r += 2) {
+        const int8_t* x0 = a.q + (m + r) * a.ldq + b * 256;
+        const int8_t* x1 = x0 + a.ldq;
+        int32x4_t isum = vdupq_n_s32(0);
+        for (int i = 0; i < 16; i++) {
+          const int64x2_t w0 = vreinterpretq_s64_u8(vld1q_u8(q[0] + 16 * i)), w1 = vreinterpretq_s64_u8(vld1q_u8(q[1] + 16 * i));
+          const int64x2_t y0 = vreinterpretq_s64_s8(vld1q_s8(x0 + 16 * i)), y1 = vreinterpretq_s64_s8(vld1q_s8(x1 + 16 * i));
+          int32x4_t d = vmmlaq_s32(vdupq_n_s32(0), vreinterpretq_s8_s64(vzip1q_s64(w0, w1)),
+                                   vreinterpretq_s8_s64(vzip1q_s64(y0, y1)));
+          d = vmmlaq_s32(d, vreinterpretq_s8_s64(vzip2q_s64(w0, w1)), vreinterpretq_s8_s64(vzip2q_s64(y0, y1)));
+          isum = vmlaq_s32(isum, d, sc[i]);
+        }
+        const int64_t ab = (m + r) * a.ldb + b;
+        int imin[2][2];  // [weight row][activation row]: sum of mn x bsums, the generic level's integers
+        for (int t = 0; t < 2; t++)
+          for (int u = 0; u < 2; u++) {
+            const int16_t* bs = a.bsums + (ab + u * a.ldb) * 16;
+            const int16x8_t mn0 = vld1q_s16(k[t].mn), mn1 = vld1q_s16(k[t].mn + 8);
+            const int16x8_t b0 = vld1q_s16(bs), b1 = vld1q_s16(bs + 8);
+            int32x4_t mm = vmull_s16(vget_low_s16(mn0), vget_low_s16(b0));
+            mm = vmlal_high_s16(mm, mn0, b0);
+            mm = vmlal_s16(mm, vget_low_s16(mn1), vget_low_s16(b1));
+            imin[t][u] = vaddvq_s32(vmlal_high_s16(mm, mn1, b1));
+          }
+        const int32x4_t im = {imin[0][0], imin[0][1], imin[1][0], imin[1][1]};
+        const float32x4_t dx = {a.d[ab], a.d[ab + a.ldb], a.d[ab], a.d[ab + a.ldb]};
+        const float32x4_t t = vmulq_f32(dx, vsubq_f32(vmulq_f32(D, vcvtq_f32_s32(isum)), vmulq_f32(Dm, vcvtq_f32_s32(im))));
+        acc[r / 2][j / 2] = vaddq_f32(acc[r / 2][j / 2], t);
+      }
+    }
+  }
+  for (int r = 0; r < MT / 2; r++)
+    for (int j = 0; j < NT / 2; j++) {
+      float v[4];
+      vst1q_f32(v, acc[r][j]);
+      out[(m + 2 * r) * ldo + 2 * j] = v[0];
+      out[(m + 2 * r + 1) * ldo + 2 * j] = v[1];
+      out[(m + 2 * r) * ldo + 2 * j + 1] = v[2];
+      out[(m + 2 * r + 1) * ldo + 2 * j + 1] = v[3];
+    }
+}
+
 template <int QT, int MT, int NT>
 void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int64_t m, float* out, int64_t ldo) {
+  if constexpr (MT % 2 == 0 && NT % 2 == 0) {
+    if (g_i8mm) return tile_k_mm<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
+  }
   if constexpr (QT == Q4_K || QT == Q5_K) tile_k45<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
   else if constexpr (QT == Q6_K) tile_k6<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
   else tile_k23<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
