@@ -33,10 +33,14 @@ QT = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K":
 # (format, tile function, MT activation rows, NT weight rows): the batch-1 tile of the default knobs
 # and the tile of calls of several rows
 LOOPS = [(f, "tile_b32", mt, 4) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") for mt in (1, 4)]
-LOOPS += [(f, fn, mt, 1) for f, fn in (("Q4_K", "tile_k45"), ("Q5_K", "tile_k45"), ("Q6_K", "tile_k6"),
-                                        ("Q2_K", "tile_k23"), ("Q3_K", "tile_k23")) for mt in (1, 4)]
+LOOPS += [(f, fn, mt, nt) for f, fn in (("Q4_K", "tile_k45"), ("Q5_K", "tile_k45"), ("Q6_K", "tile_k6"),
+                                         ("Q2_K", "tile_k23"), ("Q3_K", "tile_k23")) for mt, nt in ((1, 4), (4, 2))]
 # the i8mm tiles of several rows (CPUs with FEAT_I8MM)
 LOOPS += [(f, "tile_b32_mm", 4, 4) for f in ("Q4_0", "Q8_0")] + [(f, "tile_k_mm", 4, 2) for f in ("Q4_K", "Q6_K")]
+# llama.cpp's batch-1 dot products (ggml-cpu/arch/arm/quants.c: one weight row by one activation row)
+LLAMACPP = [("Q4_0", "ggml_vec_dot_q4_0_q8_0"), ("Q8_0", "ggml_vec_dot_q8_0_q8_0"), ("Q4_K", "ggml_vec_dot_q4_K_q8_K"),
+            ("Q6_K", "ggml_vec_dot_q6_K_q8_K")]
+LLAMACPP_GGML = Path.home() / ".cache/wallbreaker/llama-cpp-ggml-0.3.36/ggml"  # `make llamacpp` puts it there
 BRANCH = re.compile(r"^\s*(b\.?\w*|cbn?z|tbn?z)\s+(?:[^,]+,\s*)*(\.L\w+)\s*$")
 
 
@@ -54,8 +58,19 @@ def compile_asm(out: Path) -> str:
     return "aarch64-linux-gnu-g++ -std=c++20 -O3 -ffp-contract=off -fno-math-errno -S (csrc/kernels_arm.cpp and a caller of each tile)"
 
 
-def function_body(asm: list[str], fn: str, qt: int, mt: int, nt: int) -> list[str]:
-    name = re.compile(rf"^_ZN2wb12_GLOBAL__N_1\d+{fn}ILi{qt}ELi{mt}ELi{nt}EEEv\S*:$")
+def compile_llamacpp(ggml: Path, out: Path) -> str:
+    """llama.cpp's ARM quants.c as its build would compile it for an Armv8.2-A+dotprod+i8mm CPU."""
+    cmd = ["aarch64-linux-gnu-gcc", "-std=gnu11", "-O3", "-march=armv8.2-a+dotprod+i8mm", f"-I{ggml}/include",
+           f"-I{ggml}/src", f"-I{ggml}/src/ggml-cpu", "-S", str(ggml / "src/ggml-cpu/arch/arm/quants.c"), "-o", str(out)]
+    subprocess.run(cmd, check=True)
+    return "aarch64-linux-gnu-gcc -std=gnu11 -O3 -march=armv8.2-a+dotprod+i8mm -S ggml/src/ggml-cpu/arch/arm/quants.c"
+
+
+def function_body(asm: list[str], fn: str, qt: int = 0, mt: int = 0, nt: int = 0) -> list[str]:
+    if fn.startswith("ggml_"):
+        name = re.compile(rf"^{fn}:$")
+    else:
+        name = re.compile(rf"^_ZN2wb12_GLOBAL__N_1\d+{fn}ILi{qt}ELi{mt}ELi{nt}EEEv\S*:$")
     start = next(i for i, line in enumerate(asm) if name.match(line))
     end = next(i for i in range(start + 1, len(asm)) if asm[i].lstrip().startswith(".size"))
     return asm[start:end]
@@ -93,10 +108,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/arm_mca.json"))
     ap.add_argument("--mca", default=shutil.which("llvm-mca-19") or "llvm-mca")
+    ap.add_argument("--llamacpp", default=str(LLAMACPP_GGML), help="llama.cpp's ggml folder (its ARM loops beside ours)")
     args = ap.parse_args()
+    ggml = Path(args.llamacpp)
     with tempfile.TemporaryDirectory() as tmp:
         cc = compile_asm(Path(tmp) / "kernels_arm.s")
         asm = (Path(tmp) / "kernels_arm.s").read_text().splitlines()
+        llama_cc, llama_asm = None, []
+        if (ggml / "src/ggml-cpu/arch/arm/quants.c").exists():
+            llama_cc = compile_llamacpp(ggml, Path(tmp) / "quants.s")
+            llama_asm = (Path(tmp) / "quants.s").read_text().splitlines()
+        else:
+            print(f"no llama.cpp sources at {ggml} (make llamacpp): its loops are left out")
     version = subprocess.run([args.mca, "--version"], capture_output=True, text=True).stdout
     rows = []
     for fmt, fn, mt, nt in LOOPS:
@@ -114,6 +137,18 @@ def main() -> None:
         rows.append(row)
         print(f"{row['tile']:32s} " + "  ".join(f"{c} {row['cpus'][c]['cycles_per_256_weights_per_row']:6.2f}"
                                                  for c in CPUS if c in row["cpus"]), flush=True)
+    llama_rows = []
+    for fmt, fn in LLAMACPP if llama_asm else []:
+        loop = inner_loop(function_body(llama_asm, fn), "sdot")
+        row = {"format": fmt, "function": fn, "weights_per_iteration": products(loop, "sdot"),
+               "loop_instructions": len(loop), "cpus": {}}
+        for cpu in CPUS:
+            r = mca(loop, cpu, args.mca)
+            r["cycles_per_256_weights_per_row"] = round(r["block_rthroughput"] * 256 / row["weights_per_iteration"], 2)
+            row["cpus"][cpu] = r
+        llama_rows.append(row)
+        print(f"llama.cpp {fn:28s} " + "  ".join(f"{c} {row['cpus'][c]['cycles_per_256_weights_per_row']:6.2f}"
+                                                  for c in CPUS), flush=True)
     result = {
         "what": "llvm-mca block reciprocal throughput of the arm level's per-block loops, as cycles per 256 weights "
                 "per activation row (a model: every load an L1 hit, no memory bandwidth)",
@@ -127,6 +162,8 @@ def main() -> None:
                  "decoding of the codes into the buffer, which runs once a block for the tile's activation rows), "
                  "the figure leaves that work out. The i8mm rows have no apple-m1 figure (M1 has no i8mm). llama.cpp's loops are not modelled here yet (issue 53).",
         "loops": rows,
+        "llamacpp": {"source": "llama-cpp-python 0.3.36's vendored llama.cpp, ggml/src/ggml-cpu/arch/arm/quants.c",
+                     "compile": llama_cc, "loops": llama_rows} if llama_rows else None,
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)
