@@ -115,7 +115,11 @@ inline float32x4_t halves4(const uint8_t* w, int64_t row_bytes, int64_t off) {
 
 // 16 bits at p (little-endian) -> 16 bytes, byte t = 0x10 where bit t is set.
 inline uint8x16_t bits16_x10(const uint8_t* p) {
-  const uint8x16_t v = vcombine_u8(vdup_n_u8(p[0]), vdup_n_u8(p[1]));
+  // the two bytes to every lane by a load (no general-register to vector moves), then byte 0 to
+  // lanes 0-7 and byte 1 to lanes 8-15
+  const uint8x16_t both = vreinterpretq_u8_u16(vld1q_dup_u16((const uint16_t*)p));
+  const uint8x16_t spread = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+  const uint8x16_t v = vqtbl1q_u8(both, spread);
   const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
   return vandq_u8(vtstq_u8(v, bit), vdupq_n_u8(0x10));
 }
