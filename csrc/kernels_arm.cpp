@@ -12,7 +12,7 @@
 // level rounds twice). The activations keep the generic level's natural order and bytes.
 #include "qkernels.h"
 
-#if defined(__aarch64__) || defined(_M_ARM64)
+#if defined(__aarch64__)
 #include <arm_neon.h>
 #include <math.h>
 #include <string.h>

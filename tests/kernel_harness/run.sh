@@ -6,7 +6,8 @@
 #   tests/kernel_harness/run.sh arm      cross-compiled for aarch64 and run under qemu-aarch64-static,
 #                                        with dotprod and i8mm (-cpu max: the arm level, its i8mm
 #                                        tiles), dotprod alone (-cpu neoverse-n1) and neither
-#                                        (-cpu cortex-a53: the fallback to the portable level)
+#                                        (-cpu cortex-a53: the fallback to the portable level); and
+#                                        built by clang too where clang++ is installed
 #
 # `arm` installs g++-aarch64-linux-gnu and qemu-user-static with apt-get where it runs as root and
 # they are missing; otherwise it says what to install and exits 0 (skipped). PYTHON: a Python with
@@ -50,6 +51,16 @@ case "$mode" in
     qemu-aarch64-static -cpu neoverse-n1 "$BUILD/harness-aarch64" --data "$data"
     echo "== qemu-aarch64-static -cpu cortex-a53 (armv8.0: no dotprod, the portable level alone)"
     qemu-aarch64-static -cpu cortex-a53 "$BUILD/harness-aarch64" --data "$data"
+    # clang's path through the kernel files (#pragma clang attribute, STDC FP_CONTRACT: what Apple's
+    # clang takes on macOS), where a clang is installed; not installed here by default
+    clang="$(command -v clang++-19 || command -v clang++ || true)"
+    if [ -n "$clang" ]; then
+      nice "$clang" --target=aarch64-linux-gnu "${FLAGS[@]}" -static "${SRC[@]}" -o "$BUILD/harness-aarch64-clang"
+      echo "== clang build, qemu-aarch64-static -cpu max"
+      qemu-aarch64-static -cpu max "$BUILD/harness-aarch64-clang" --data "$data"
+    else
+      echo "== no clang++: the clang build is skipped (apt-get install clang-19 adds it)"
+    fi
     ;;
   *) echo "usage: $0 native|arm" >&2; exit 2 ;;
 esac
