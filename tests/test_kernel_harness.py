@@ -44,6 +44,7 @@ def test_the_arm_level_is_the_portable_levels_bits_under_qemu(tmp_path):
         assert "levels on this CPU: generic arm" in run
         assert run.count("bit for bit the generic level's") == 10  # every format of the table
     assert "i8mm 1" in with_i8mm and "dotprod 1, i8mm 0" in dotprod_only
+    assert "identical:" in neither  # the portable level's bytes: the x86-64 build's = the aarch64 build's
     assert "levels on this CPU: generic " in neither and " arm " not in neither.split("\n")[1]
     assert out.count("passed:") == 3 + bool(clang_run) and "FAIL" not in out
     if clang_run:  # clang's pragmas (what Apple's clang takes), with dotprod and i8mm

@@ -13,7 +13,10 @@
 //     level within the bound of tests/test_kernels.py: activations rounded to 8 bits per block
 //     move each output by at most sum_b (d_x,b / 2) sum|w_b|, plus 2^-17 sum|w||x| of float steps.
 //
-//   harness [--data DIR] [--level NAME]   exit 0: all passed
+//  3. with --dump FILE, the generic level's quantized activations and outputs on that data, which
+//     run.sh compares between the x86-64 and the aarch64 build: the same bytes (fp-contract off).
+//
+//   harness [--data DIR] [--level NAME] [--dump FILE]   exit 0: all passed
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -356,7 +359,14 @@ bool read_file(const std::string& path, void* dst, size_t bytes) {
   return got == bytes;
 }
 
-void check_against_gguf(const std::vector<Level>& levels, const std::vector<Format>& fmts, const std::string& dir) {
+// --dump FILE: the generic level's quantized activations and outputs on the gguf data, for every
+// format, so that two builds (x86-64 and aarch64) can be compared byte for byte (run.sh).
+void append(std::vector<uint8_t>& out, const void* p, size_t n) {
+  out.insert(out.end(), (const uint8_t*)p, (const uint8_t*)p + n);
+}
+
+void check_against_gguf(const std::vector<Level>& levels, const std::vector<Format>& fmts, const std::string& dir,
+                        std::vector<uint8_t>* dump) {
   FILE* fp = fopen((dir + "/manifest.txt").c_str(), "r");
   if (!fp) {
     printf("FAIL no %s/manifest.txt (make it with tests/kernel_harness/make_data.py)\n", dir.c_str());
@@ -383,6 +393,16 @@ void check_against_gguf(const std::vector<Level>& levels, const std::vector<Form
     }
     const std::vector<uint8_t> w = pack_rows(*f, raw, N, K);
     const std::vector<double> wd(deq.begin(), deq.end());
+    if (dump) {
+      Acts a;
+      quantize(wb_kernels_generic(), f->bs, x, M, K, a);
+      const std::vector<float> y = matmul(wb_kernels_generic(), *f, w, 0, N, K, a, M);
+      append(*dump, a.q.data(), a.q.size());
+      append(*dump, a.d.data(), a.d.size() * 4);
+      append(*dump, a.s.data(), a.s.size() * 4);
+      append(*dump, a.bsums.data(), a.bsums.size() * 2);
+      append(*dump, y.data(), y.size() * 4);
+    }
     for (const Level& lv : levels) {
       double worst = 0;
       if (!lv.k->has(qt)) continue;  // the generic kernel runs there: checked as generic
@@ -408,12 +428,13 @@ void check_against_gguf(const std::vector<Level>& levels, const std::vector<Form
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string data, only;
+  std::string data, only, dump_path;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--data") && i + 1 < argc) data = argv[++i];
     else if (!strcmp(argv[i], "--level") && i + 1 < argc) only = argv[++i];
+    else if (!strcmp(argv[i], "--dump") && i + 1 < argc) dump_path = argv[++i];
     else {
-      fprintf(stderr, "usage: %s [--data DIR] [--level NAME]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--data DIR] [--level NAME] [--dump FILE]\n", argv[0]);
       return 2;
     }
   }
@@ -439,7 +460,16 @@ int main(int argc, char** argv) {
   }
   if (!data.empty()) {
     printf("against gguf's dequantization (%s):\n", data.c_str());
-    check_against_gguf(levels, fmts, data);
+    std::vector<uint8_t> dump;
+    check_against_gguf(levels, fmts, data, dump_path.empty() ? nullptr : &dump);
+    if (!dump_path.empty()) {
+      FILE* fp = fopen(dump_path.c_str(), "wb");
+      if (!fp || fwrite(dump.data(), 1, dump.size(), fp) != dump.size()) {
+        printf("FAIL could not write %s\n", dump_path.c_str());
+        g_failures++;
+      }
+      if (fp) fclose(fp);
+    }
   }
   printf("%s: %ld checks, %d failures\n", g_failures ? "FAILED" : "passed", g_checks, g_failures);
   return g_failures ? 1 : 0;

@@ -46,11 +46,19 @@ case "$mode" in
     # binary runs on a CPU without dotprod and falls back to the portable level.
     nice aarch64-linux-gnu-g++ "${FLAGS[@]}" -static "${SRC[@]}" -o "$BUILD/harness-aarch64"
     echo "== qemu-aarch64-static -cpu max (dotprod, i8mm, SVE)"
-    qemu-aarch64-static -cpu max "$BUILD/harness-aarch64" --data "$data"
+    qemu-aarch64-static -cpu max "$BUILD/harness-aarch64" --data "$data" --dump "$data/generic-aarch64.bin"
     echo "== qemu-aarch64-static -cpu neoverse-n1 (dotprod without i8mm: the arm level's dotprod tiles alone)"
     qemu-aarch64-static -cpu neoverse-n1 "$BUILD/harness-aarch64" --data "$data"
     echo "== qemu-aarch64-static -cpu cortex-a53 (armv8.0: no dotprod, the portable level alone)"
     qemu-aarch64-static -cpu cortex-a53 "$BUILD/harness-aarch64" --data "$data"
+    # The portable level gives the same bytes on x86-64 as on aarch64 (activations and outputs):
+    # GCC would fuse its a*b + c into fmadd on aarch64 without the files' fp-contract pragmas.
+    echo "== the portable level's bytes, x86-64 build against aarch64 build"
+    nice "${CXX:-g++}" "${FLAGS[@]}" tests/kernel_harness/harness.cpp csrc/kernels_generic.cpp \
+      csrc/kernels_avx2.cpp csrc/kernels_avx512.cpp csrc/kernels_arm.cpp -o "$BUILD/harness-native"
+    "$BUILD/harness-native" --level generic --data "$data" --dump "$data/generic-native.bin" >/dev/null
+    cmp "$data/generic-native.bin" "$data/generic-aarch64.bin"
+    echo "identical: $(stat -c %s "$data/generic-native.bin") bytes"
     # clang's path through the kernel files (#pragma clang attribute, STDC FP_CONTRACT: what Apple's
     # clang takes on macOS), where a clang is installed; not installed here by default
     clang="$(command -v clang++-19 || command -v clang++ || true)"
