@@ -113,6 +113,20 @@ inline float32x4_t halves4(const uint8_t* w, int64_t row_bytes, int64_t off) {
   return vcvt_f32_f16(vreinterpret_f16_u16(v));
 }
 
+// A full group's 4 float16 at off of 4 rows, transposed: v[i] = block i's value of rows 0..3 (the
+// lanes halves4<4> gives block by block, in 4 loads where that takes 16).
+inline void halves4x4(const uint8_t* w, int64_t row_bytes, int64_t off, float32x4_t* v) {
+  const float32x4_t r0 = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(w + off)));
+  const float32x4_t r1 = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(w + row_bytes + off)));
+  const float32x4_t r2 = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(w + 2 * row_bytes + off)));
+  const float32x4_t r3 = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(w + 3 * row_bytes + off)));
+  const float32x4_t t0 = vtrn1q_f32(r0, r1), t1 = vtrn2q_f32(r0, r1), t2 = vtrn1q_f32(r2, r3), t3 = vtrn2q_f32(r2, r3);
+  v[0] = vreinterpretq_f32_f64(vzip1q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+  v[1] = vreinterpretq_f32_f64(vzip1q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+  v[2] = vreinterpretq_f32_f64(vzip2q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+  v[3] = vreinterpretq_f32_f64(vzip2q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+}
+
 // 16 bits at p (little-endian) -> 16 bytes, byte t = 0x10 where bit t is set.
 inline uint8x16_t bits16_x10(const uint8_t* p) {
   // the two bytes to every lane by a load (no general-register to vector moves), then byte 0 to
@@ -232,15 +246,21 @@ void tile_b32(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, i
   for (int64_t g = 0; g < groups; g++) {
     const int64_t G = nb - 4 * g < 4 ? nb - 4 * g : 4;
     prefetch_tile_share(w, NT * row_bytes, groups, g, pf);
+    float32x4_t dg[4], mg[4];  // a full group's d (and m) of 4 rows, by block
+    const bool by_group = NT == 4 && G == 4;
+    if (by_group) {
+      halves4x4(w, row_bytes, 8 * g, dg);
+      if (kHasMin<QT>) halves4x4(w, row_bytes, 2 * nb + 8 * g, mg);
+    }
     for (int64_t i = 0; i < G; i++) {
       const int64_t b = 4 * g + i;
       int8x16_t lo[NT], hi[NT];
       for (int j = 0; j < NT; j++) codes32<QT>(w + j * row_bytes + qoff + 4 * g * QB, G, i, lo[j], hi[j]);
-      const float32x4_t dw = halves4<NT>(w, row_bytes, 2 * b);
+      const float32x4_t dw = by_group ? dg[i] : halves4<NT>(w, row_bytes, 2 * b);
       // c of w = d q + c: Q4_0 -8 d, Q5_0 -16 d (exact), Q4_1/Q5_1 the stored m
       float32x4_t cw = vdupq_n_f32(0.0f);
       if (QT == Q4_0 || QT == Q5_0) cw = vmulq_n_f32(dw, (float)format_facts(QT).offset);
-      if (kHasMin<QT>) cw = halves4<NT>(w, row_bytes, 2 * nb + 2 * b);
+      if (kHasMin<QT>) cw = by_group ? mg[i] : halves4<NT>(w, row_bytes, 2 * nb + 2 * b);
       for (int r = 0; r < MT; r++) {
         const int8_t* xq = a.q + (m + r) * a.ldq + 32 * b;
         const int8x16_t xl = vld1q_s8(xq), xh = vld1q_s8(xq + 16);
