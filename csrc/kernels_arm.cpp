@@ -601,8 +601,10 @@ void tile_k(const uint8_t* w, int64_t row_bytes, int64_t nb, const ActQ8& a, int
   else tile_k23<QT, MT, NT>(w, row_bytes, nb, a, m, out, ldo);
 }
 
-// Register budget (32 NEON registers): 4 activation rows a tile; 4 weight rows a tile by default
-// for 32-blocks (the lanes of their float steps), 2 for K-quants; no ARM host has tuned these yet.
+// Register budget (32 NEON registers): 4 activation rows a tile; in calls of several rows 4 weight
+// rows a tile by default for 32-blocks (the lanes of their float steps), 2 for K-quants (a pair for
+// the i8mm tiles); at batch 1 4 weight rows. Untuned: no ARM host has timed them (kernels/tuning.py
+// would, on one).
 constexpr int MT_B32 = 4, NT_B32 = 4, MT_K = 4, NT_K = 2, NT_M1 = 4, NT_M1_LONG = 4, ONE_PASS_ROWS = 0;
 template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 ||
                                         QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;
