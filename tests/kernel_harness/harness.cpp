@@ -13,8 +13,9 @@
 //     level within the bound of tests/test_kernels.py: activations rounded to 8 bits per block
 //     move each output by at most sum_b (d_x,b / 2) sum|w_b|, plus 2^-17 sum|w||x| of float steps.
 //
-//  3. with --dump FILE, the generic level's quantized activations and outputs on that data, which
-//     run.sh compares between the x86-64 and the aarch64 build: the same bytes (fp-contract off).
+//  3. paged attention, the portable kernel (every level's on aarch64), against float64;
+//  4. with --dump FILE, the generic level's quantized activations and matmul outputs on the gguf
+//     data, which run.sh compares between the x86-64 and the aarch64 build: the same bytes.
 //
 //   harness [--data DIR] [--level NAME] [--dump FILE]   exit 0: all passed
 #include <math.h>
@@ -25,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "attention.h"
 #include "qkernels.h"
 
 #if defined(__aarch64__) && defined(__linux__)
@@ -65,9 +67,12 @@ uint64_t next_u64() {  // xorshift64*
   return g_rng * 2685821657736338717ull;
 }
 double uniform() { return (double)(next_u64() >> 11) * (1.0 / 9007199254740992.0); }
+// About standard normal (the sum of 12 uniforms, less 6), without libm: the data is then the same
+// bits on every architecture (x86-64's and aarch64's glibc differ in the last bits of log and cos).
 float normal() {
-  const double u = uniform() + 1e-300, v = uniform();
-  return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+  double t = -6.0;
+  for (int i = 0; i < 12; i++) t += uniform();
+  return (float)t;
 }
 
 uint16_t to_half(float f) {  // round to nearest even, normal range (|f| in [2^-14, 65504]) or zero
@@ -425,6 +430,109 @@ void check_against_gguf(const std::vector<Level>& levels, const std::vector<Form
   }
 }
 
+// Check 3: paged attention. No level has an arm variant of it: the arm level runs the portable one
+// (attention_generic.cpp), checked here against a float64 reference (decode, verification and
+// prefill-chunk queries, GQA, a block table out of order, a window with a soft cap; KV float32
+// and int8 with scales and offsets). Not in the dump: its softmax and soft cap go through libm's
+// expf and tanhf, whose last bits differ between x86-64's glibc (an FMA variant, chosen at run
+// time) and aarch64's.
+void check_attention() {
+  g_rng = 0x2545F4914F6CDD1Dull;  // the same data whatever ran before
+  const int64_t H = 4, KVH = 2, D = 64, bs = 16, N = 3, blocks = 12, S = blocks * bs;
+  const int32_t ctx[N] = {5, 37, 70}, nq[N] = {1, 5, 9};
+  int32_t qstart[N + 1] = {0};
+  for (int n = 0; n < N; n++) qstart[n + 1] = qstart[n] + nq[n];
+  const int64_t T = qstart[N], W = 5;
+  std::vector<int32_t> table(N * W);
+  for (int64_t i = 0; i < N * W; i++) table[i] = (int32_t)((i * 7 + 3) % blocks);  // distinct, out of order
+  std::vector<float> q(T * H * D), kf(KVH * S * D), vf(KVH * S * D), ks(KVH * S), vs(KVH * S), ko(KVH * D), vo(KVH * D);
+  std::vector<int8_t> k8(KVH * S * D), v8(KVH * S * D);
+  for (auto& v : q) v = normal();
+  for (size_t i = 0; i < kf.size(); i++) {
+    kf[i] = normal();
+    vf[i] = normal();
+    k8[i] = (int8_t)(next_u64() % 255 - 127);
+    v8[i] = (int8_t)(next_u64() % 255 - 127);
+  }
+  for (size_t i = 0; i < ks.size(); i++) {
+    ks[i] = 0.01f + 0.02f * (float)uniform();
+    vs[i] = 0.01f + 0.02f * (float)uniform();
+  }
+  for (size_t i = 0; i < ko.size(); i++) {
+    ko[i] = 0.1f * normal();
+    vo[i] = 0.1f * normal();
+  }
+  for (int kv_type : {wb::KV_F32, wb::KV_INT8})
+    for (int variant = 0; variant < 2; variant++) {
+      const bool i8 = kv_type == wb::KV_INT8;
+      wb::AttnArgs a{};
+      std::vector<float> out(T * H * D, NAN);
+      a.q = q.data();
+      a.out = out.data();
+      a.k = i8 ? (const void*)k8.data() : (const void*)kf.data();
+      a.v = i8 ? (const void*)v8.data() : (const void*)vf.data();
+      a.k_scale = i8 ? ks.data() : nullptr;
+      a.v_scale = i8 ? vs.data() : nullptr;
+      a.k_offset = i8 ? ko.data() : nullptr;
+      a.v_offset = i8 ? vo.data() : nullptr;
+      a.kv_type = kv_type;
+      a.block_tables = table.data();
+      a.block_table_stride = W;
+      a.query_start = qstart;
+      a.context_lens = ctx;
+      a.num_heads = H;
+      a.num_kv_heads = KVH;
+      a.head_dim = D;
+      a.slots = S;
+      a.block_size = bs;
+      a.scale = 0.125f;
+      a.window = variant ? 24 : 0;
+      a.softcap = variant ? 20.0f : 0.0f;
+      a.query_parts = 1;
+      wb_attention_generic()(a, 0, N * KVH);
+      double worst = 0;
+      for (int64_t n = 0; n < N; n++)
+        for (int64_t i = 0; i < nq[n]; i++)
+          for (int64_t h = 0; h < H; h++) {
+            const int64_t t = qstart[n] + i, p = ctx[n] - nq[n] + i, kvh = h / (H / KVH);
+            const int64_t lo = a.window > 0 && p - a.window + 1 > 0 ? p - a.window + 1 : 0;
+            std::vector<double> sc, o(D, 0.0);
+            double mx = -1e300, sum = 0;
+            for (int64_t pos = lo; pos <= p; pos++) {
+              const int64_t slot = (int64_t)table[n * W + pos / bs] * bs + pos % bs, r = kvh * S + slot;
+              double dot = 0;
+              for (int64_t d = 0; d < D; d++)
+                dot += (double)q[(t * H + h) * D + d] *
+                       (i8 ? (double)k8[r * D + d] * ks[r] + ko[kvh * D + d] : (double)kf[r * D + d]);
+              double v = dot * a.scale;
+              if (a.softcap > 0) v = a.softcap * tanh(v / a.softcap);
+              sc.push_back(v);
+              mx = fmax(mx, v);
+            }
+            for (size_t j = 0; j < sc.size(); j++) {
+              sc[j] = exp(sc[j] - mx);
+              sum += sc[j];
+            }
+            for (int64_t pos = lo, j = 0; pos <= p; pos++, j++) {
+              const int64_t slot = (int64_t)table[n * W + pos / bs] * bs + pos % bs, r = kvh * S + slot;
+              for (int64_t d = 0; d < D; d++)
+                o[d] += sc[j] / sum * (i8 ? (double)v8[r * D + d] * vs[r] + vo[kvh * D + d] : (double)vf[r * D + d]);
+            }
+            for (int64_t d = 0; d < D; d++) {
+              const double e = fabs(out[(t * H + h) * D + d] - o[d]);
+              if (!(e <= worst)) worst = e;  // NaN too
+            }
+          }
+      g_checks++;
+      const char* what = i8 ? "int8 KV with scales and offsets" : "float32 KV";
+      if (!(worst <= 2e-5))
+        fail("attention (%s%s): off the float64 reference by %s", what, variant ? ", window and soft cap" : "",
+             std::to_string(worst).c_str());
+      printf("  attention, %s%s: generic within %.1e of float64\n", what, variant ? ", window 24, soft cap 20" : "",
+             worst);
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -458,9 +566,11 @@ int main(int argc, char** argv) {
     printf("%s against the generic level:\n", lv.name);
     for (const Format& f : fmts) check_against_generic(lv, f);
   }
+  std::vector<uint8_t> dump;
+  printf("paged attention (every level runs the portable kernel on aarch64):\n");
+  check_attention();
   if (!data.empty()) {
     printf("against gguf's dequantization (%s):\n", data.c_str());
-    std::vector<uint8_t> dump;
     check_against_gguf(levels, fmts, data, dump_path.empty() ? nullptr : &dump);
     if (!dump_path.empty()) {
       FILE* fp = fopen(dump_path.c_str(), "wb");

@@ -19,7 +19,7 @@ PYTHON="${PYTHON:-python3}"
 BUILD="${BUILD:-build/kernel_harness}"
 FLAGS=(-std=c++20 -O2 -fno-math-errno -Icsrc)  # fp-contract: set by the kernel files themselves
 SRC=(tests/kernel_harness/harness.cpp csrc/kernels_generic.cpp csrc/kernels_avx2.cpp csrc/kernels_avx512.cpp
-     csrc/kernels_arm.cpp)
+     csrc/kernels_arm.cpp csrc/attention_generic.cpp)
 mkdir -p "$BUILD"
 data="$(mktemp -d)"
 trap 'rm -rf "$data"' EXIT
@@ -54,8 +54,7 @@ case "$mode" in
     # The portable level gives the same bytes on x86-64 as on aarch64 (activations and outputs):
     # GCC would fuse its a*b + c into fmadd on aarch64 without the files' fp-contract pragmas.
     echo "== the portable level's bytes, x86-64 build against aarch64 build"
-    nice "${CXX:-g++}" "${FLAGS[@]}" tests/kernel_harness/harness.cpp csrc/kernels_generic.cpp \
-      csrc/kernels_avx2.cpp csrc/kernels_avx512.cpp csrc/kernels_arm.cpp -o "$BUILD/harness-native"
+    nice "${CXX:-g++}" "${FLAGS[@]}" "${SRC[@]}" -o "$BUILD/harness-native"
     "$BUILD/harness-native" --level generic --data "$data" --dump "$data/generic-native.bin" >/dev/null
     cmp "$data/generic-native.bin" "$data/generic-aarch64.bin"
     echo "identical: $(stat -c %s "$data/generic-native.bin") bytes"
