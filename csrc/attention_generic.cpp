@@ -7,6 +7,13 @@
 #include "attention.h"
 #include "fp8.h"
 
+// No fused multiply-adds, as in kernels_generic.cpp: the same arithmetic on x86-64 and aarch64.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__) && !defined(__x86_64__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace wb {
 namespace {
 

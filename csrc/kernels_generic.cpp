@@ -5,6 +5,15 @@
 
 #include "qkernels.h"
 
+// No fused multiply-adds: the float steps round as written, on every CPU (GCC contracts a*b + c into
+// one fmadd by default where the target has it, e.g. aarch64, and clang within an expression), so
+// that this level's bits are the same on x86-64 and aarch64, and the arm level can match them.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__) && !defined(__x86_64__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace wb {
 namespace {
 

@@ -25,8 +25,10 @@ extern "C" bool wb_dequant_bf16_avx512(int qt, const uint8_t* w, int64_t row_byt
 
 namespace {
 
-enum Level : int { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
-const char* kNames[] = {"generic", "avx2", "avx512"};
+// The x86 levels nest (a CPU that runs avx512 runs avx2); arm stands beside them (runs_here).
+enum Level : int { GENERIC = 0, AVX2 = 1, AVX512 = 2, ARM = 3 };
+constexpr int kLevels = 4;
+const char* kNames[kLevels] = {"generic", "avx2", "avx512", "arm"};
 
 int cpu_level() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -39,11 +41,18 @@ int cpu_level() {
       __builtin_cpu_supports("f16c"))
     return AVX2;
 #endif
+  if (wb_kernels_arm() && (wb_arm_features() & WB_ARM_DOTPROD)) return ARM;  // aarch64 with dotprod
   return GENERIC;
 }
 
+// Whether this CPU runs level l: generic and its best; below an x86 best, the x86 levels under it.
+bool runs_here(int l) {
+  const int best = cpu_level();
+  return l == GENERIC || l == best || (best != ARM && l != ARM && l < best);
+}
+
 int parse_level(const std::string& name) {
-  for (int i = 0; i < 3; i++)
+  for (int i = 0; i < kLevels; i++)
     if (name == kNames[i]) return i;
   return -1;
 }
@@ -57,12 +66,12 @@ void init_level() {
   if (const char* aten = std::getenv("ATEN_CPU_CAPABILITY")) {
     const std::string v(aten);
     if (v == "default") level = GENERIC;
-    else if (v == "avx2" && level > AVX2) level = AVX2;
+    else if (v == "avx2" && level == AVX512) level = AVX2;
   }
   if (const char* ours = std::getenv("WALLBREAKER_CPU_ISA")) {
     const int want = parse_level(ours);
-    TORCH_CHECK(want >= 0, "WALLBREAKER_CPU_ISA=", ours, ": expected avx512, avx2 or generic");
-    TORCH_CHECK(want <= cpu_level(), "WALLBREAKER_CPU_ISA=", ours, ": this CPU supports at most ",
+    TORCH_CHECK(want >= 0, "WALLBREAKER_CPU_ISA=", ours, ": expected avx512, avx2, arm or generic");
+    TORCH_CHECK(runs_here(want), "WALLBREAKER_CPU_ISA=", ours, ": this CPU supports at most ",
                 kNames[cpu_level()]);
     level = want;
   }
@@ -78,6 +87,7 @@ const wb::Kernels* kernels() {
   switch (level()) {
     case AVX512: return wb_kernels_avx512();
     case AVX2: return wb_kernels_avx2();
+    case ARM: return wb_kernels_arm();
     default: return wb_kernels_generic();
   }
 }
@@ -109,7 +119,9 @@ constexpr int64_t kSingleThreadBytes = 320 * 1024;
 
 }  // namespace
 
-int wb_kernel_level() { return level(); }
+// For attention_ops.cpp and vec_math.h: 0 generic, 1 avx2, 2 avx512. They have no arm variants
+// yet, so the arm level runs their generic ones (GCC's vector extension lowers those to NEON).
+int wb_kernel_level() { return level() == ARM ? GENERIC : level(); }
 
 std::string get_isa() { return kNames[level()]; }
 
@@ -118,8 +130,8 @@ std::string cpu_isa() { return kNames[cpu_level()]; }
 void set_isa(const std::string& name) {
   level();  // the environment is read once, before any override
   const int want = name.empty() ? cpu_level() : parse_level(name);
-  TORCH_CHECK(want >= 0, "unknown kernel level '", name, "': expected avx512, avx2 or generic");
-  TORCH_CHECK(want <= cpu_level(), "kernel level '", name, "' needs CPU features this machine lacks (it supports ",
+  TORCH_CHECK(want >= 0, "unknown kernel level '", name, "': expected avx512, avx2, arm or generic");
+  TORCH_CHECK(runs_here(want), "kernel level '", name, "' needs CPU features this machine lacks (it supports ",
               kNames[cpu_level()], ")");
   g_level.store(want);
 }

@@ -74,3 +74,8 @@ struct Kernels {
 extern "C" const wb::Kernels* wb_kernels_generic();
 extern "C" const wb::Kernels* wb_kernels_avx2();    // nullptr where not built (non-x86)
 extern "C" const wb::Kernels* wb_kernels_avx512();  // likewise
+extern "C" const wb::Kernels* wb_kernels_arm();     // nullptr where not built (non-aarch64)
+// The aarch64 features the arm level uses, as this CPU reports them (0 off aarch64): the level
+// needs WB_ARM_DOTPROD (vdotq_s32).
+enum { WB_ARM_DOTPROD = 1, WB_ARM_I8MM = 2 };
+extern "C" int wb_arm_features();

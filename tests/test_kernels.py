@@ -289,6 +289,9 @@ def test_unknown_or_unsupported_levels_are_errors():
     if kernels.cpu_isa() != "avx512":
         with pytest.raises(ValueError, match="lacks"):
             kernels.set_isa("avx512")
+    if kernels.cpu_isa() != "arm":  # aarch64's level, beside the x86 ones (an x86 CPU never runs it)
+        with pytest.raises(ValueError, match="lacks"):
+            kernels.set_isa("arm")
 
 
 def _isa_in_subprocess(**env) -> str:
@@ -309,7 +312,7 @@ def test_environment_switches():
         if "avx2" in LEVELS:
             assert _isa_in_subprocess(ATEN_CPU_CAPABILITY="avx2") == "avx2"
             assert _isa_in_subprocess(WALLBREAKER_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="default") == "avx2"
-        assert "expected avx512, avx2 or generic" in _isa_in_subprocess(WALLBREAKER_CPU_ISA="fast")
+        assert "expected avx512, avx2, arm or generic" in _isa_in_subprocess(WALLBREAKER_CPU_ISA="fast")
     finally:
         os.environ.update({k: v for k, v in env.items()})
 

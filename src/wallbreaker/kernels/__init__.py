@@ -11,7 +11,8 @@ products, float32 out. docs/kernels.md has the design and the measured figures.
   weight rows decoded to bfloat16 a tile at a time and multiplied in PyTorch's bfloat16 matmul
   (`dense_path()` says whether it runs here; `QuantLinear` takes it from `DENSE_MIN_ROWS` rows).
 - `isa()`, `set_isa(level)`: the kernel level in use, chosen at first use from the CPU (`avx512`
-  needs AVX-512 F/BW/VL/DQ + VNNI, `avx2` needs AVX2 + FMA + F16C, else `generic`), capped by
+  needs AVX-512 F/BW/VL/DQ + VNNI, `avx2` needs AVX2 + FMA + F16C, `arm` aarch64 with the
+  dot-product extension, else `generic`), capped by
   `ATEN_CPU_CAPABILITY` (avx2 -> avx2, default -> generic) and set by `WALLBREAKER_CPU_ISA`.
 """
 from __future__ import annotations
@@ -36,7 +37,9 @@ _FORMATS = {T(qt): (bs, bb, halves, [int(f) for f in fields.split(",") if f])
 BLOCK32_TYPES = frozenset(t for t, (bs, *_) in _FORMATS.items() if bs == 32)
 K_TYPES = frozenset(t for t, (bs, *_) in _FORMATS.items() if bs == 256)
 SUPPORTED_TYPES = BLOCK32_TYPES | K_TYPES
-LEVELS = ("generic", "avx2", "avx512")
+# The kernel levels of this architecture, each run by every CPU that runs the next: x86-64's, or
+# aarch64's (csrc/kernels_arm.cpp, bit for bit the generic level's results).
+LEVELS = ("generic", "arm") if platform.machine().lower() in ("aarch64", "arm64") else ("generic", "avx2", "avx512")
 
 
 # From this many activation rows a call takes the dense path where it runs: at 32 rows it already
@@ -76,7 +79,7 @@ def qmatmul_dense(x: torch.Tensor, weights: Sequence[torch.Tensor], qtypes: Sequ
 
 
 def isa() -> str:
-    """The kernel level in use: 'avx512', 'avx2' or 'generic'."""
+    """The kernel level in use: 'avx512', 'avx2', 'arm' or 'generic'."""
     return _C.isa()
 
 
