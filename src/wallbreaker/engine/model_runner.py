@@ -110,7 +110,7 @@ class ModelRunner:
                 context_lens.append(end)
             else:
                 prefills.append(PrefillSpan(len(input_ids), n, end, torch.tensor(seq.block_table, device=self.device),
-                                            tuple((im.offset, im.end) for im in images)))
+                                            tuple((im.offset, im.end) for im in images if im.bidirectional)))
             if self.states is not None:
                 state_spans.append(StateSpan(len(input_ids), n, seq.state_slot, list(seq.state_saves)))
             input_ids += seq.tokens_to_compute(start, end)

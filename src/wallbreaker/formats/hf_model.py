@@ -14,7 +14,7 @@ from ..config import MAMBA2_ARCHITECTURES, ROPE_TYPES, ConfigError, ModelConfig,
 from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .chat_template import ChatTemplate
 from . import qwen3_next, qwen3_next_weights
-from .multimodal import is_multimodal, text_tensor_name
+from .multimodal import decoder_config, is_multimodal, text_tensor_name
 from .lfm2 import hf_config_keys as lfm2_config_keys, squeeze_conv_weights
 from .names import GEMMA_ARCHITECTURES, adds_one, hf_expert, hf_to_canonical_table, is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
@@ -40,10 +40,10 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if not isinstance(hf, dict):
         raise ModelFormatError(f"{cfg_path}: config.json is not a JSON object")
     multimodal = is_multimodal(hf)  # its decoder read here, its vision side by wallbreaker.vision
-    if hf.get("model_type") == "gemma3" and "text_config" in hf:
+    if hf.get("model_type") in ("gemma3", "idefics3", "smolvlm") and "text_config" in hf:
         if not isinstance(hf["text_config"], dict):
             raise ModelFormatError(f"{cfg_path}: text_config is not a JSON object")
-        hf = {**hf["text_config"], "model_type": "gemma3_text"}
+        hf = decoder_config(hf)
     config = config_from_hf(hf, path)
     config = with_pooling(config, path, hf)
     handles = _safetensors_handles(path)
