@@ -186,3 +186,19 @@ def test_openai_client_gets_llm_chats_text(folder, llm):
         answer = client.chat.completions.create(model="m", temperature=0, max_tokens=8, messages=messages,
                                                 extra_body={"ignore_eos": True})
     assert answer.choices[0].message.content == expected
+
+
+def test_a_smolvlm2_folder_matches_its_transformers_class(tmp_path):
+    """model_type `smolvlm` (SmolVLM2's `SmolVLMForConditionalGeneration`): the same reader, against
+    that class on the prompt and tiles that Idefics3's processor makes (checked equal above)."""
+    from tiny_smolvlm import make_tiny_smolvlm
+    from transformers import SmolVLMForConditionalGeneration
+
+    folder = make_tiny_smolvlm(tmp_path / "smolvlm2", seed=1, family="SmolVLM")
+    model = SmolVLMForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=1024)
+    _, ids, images = llm.encode_chat_images(conversation({"type": "image", "image": photo("coffee")}))
+    pixels = torch.stack([im.pixels for im in images])[None]
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+    assert (llm.logits(ids, images=images) - expected).abs().max().item() < 1e-4

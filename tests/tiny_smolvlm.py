@@ -31,8 +31,10 @@ SMOLVLM_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
 
-def make_tiny_smolvlm(out: Path, seed: int = 0) -> Path:
-    """The folder of a tiny SmolVLM under `out`; returns it."""
+def make_tiny_smolvlm(out: Path, seed: int = 0, family: str = "Idefics3") -> Path:
+    """The folder of a tiny SmolVLM under `out`; returns it. `family` "SmolVLM": saved as SmolVLM2's
+    are (`SmolVLMForConditionalGeneration`, model_type `smolvlm`); the processor stays Idefics3's
+    (SmolVLM's needs `num2words`), the same preprocessing and prompt."""
     import transformers as tf
     from tiny_recurrent import smollm2_tokenizer
     from tokenizers import AddedToken
@@ -49,12 +51,14 @@ def make_tiny_smolvlm(out: Path, seed: int = 0) -> Path:
                           rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=False,
                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)
-    vision = tf.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                    image_size=TILE, patch_size=PATCH, layer_norm_eps=1e-6)
-    config = tf.Idefics3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=SCALE,
-                              image_token_id=ids["<image>"], tie_word_embeddings=False)
+    vision = getattr(tf, f"{family}VisionConfig")(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=2, image_size=TILE, patch_size=PATCH,
+                                                  layer_norm_eps=1e-6)
+    config = getattr(tf, f"{family}Config")(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                            scale_factor=SCALE, image_token_id=ids["<image>"],
+                                            tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = tf.Idefics3ForConditionalGeneration(config).float().eval()
+    model = getattr(tf, f"{family}ForConditionalGeneration")(config).float().eval()
     with torch.no_grad():  # weights large enough for peaked logits, norms off their neutral values
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):

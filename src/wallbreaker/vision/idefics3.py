@@ -27,6 +27,9 @@ MODEL_TYPES = ("idefics3", "smolvlm")
 _TOWER_PREFIX = "model.vision_model."
 _CONNECTOR = "model.connector.modality_projection.proj.weight"
 IMAGE_TOKEN = "<image>"
+# Idefics3VisionConfig's defaults (SigLIP-so400m's shape), which a saved config may leave out
+VISION_DEFAULTS = {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 16,
+                   "image_size": 224, "patch_size": 32, "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"}
 PROMPT_TOKENS = ("<fake_token_around_image>", "<global-img>")
 
 
@@ -99,7 +102,7 @@ class Idefics3Vision(nn.Module):
         path = Path(path)
         hf = json.loads((path / "config.json").read_text())
         where = f"{path}/config.json"
-        cfg = SiglipConfig.from_hf(hf["vision_config"], where)
+        cfg = SiglipConfig.from_hf({**VISION_DEFAULTS, **hf["vision_config"]}, where)
         scale = int(hf.get("scale_factor", 2))
         tower: dict[str, torch.Tensor] = {}
         projection = None
