@@ -12,6 +12,7 @@ plus the global image.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -72,6 +73,10 @@ def make_tiny_smolvlm(out: Path, seed: int = 0, family: str = "Idefics3") -> Pat
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(out)
+    # as SmolVLM-256M's config.json names its decoder (llama.cpp's converter reads the text model by it)
+    saved = json.loads((out / "config.json").read_text())
+    saved["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
     images = tf.Idefics3ImageProcessorPil(size={"longest_edge": LONGEST}, max_image_size={"longest_edge": TILE},
                                          do_image_splitting=True)
     processor = tf.Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=SMOLVLM_CHAT_TEMPLATE,

@@ -92,11 +92,8 @@ def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
         if len(found) != 1 or found[0] == Path(files.path):
             return None
         mmproj = found[0]
-    if files.config.architecture != "gemma3":
-        raise InvalidRequestError(f"mmproj: vision is supported for gemma3 text models, not "
-                                  f"{files.config.architecture}")
     from .vision.mmproj import read_mmproj
-    vision = read_mmproj(mmproj, files.tokenizer)
+    vision = read_mmproj(mmproj, files.tokenizer, files.config.architecture)
     if vision.hidden_size != files.config.hidden_size:
         raise InvalidRequestError(f"mmproj {mmproj}: its projection gives vectors of {vision.hidden_size}, the text "
                                   f"model's embeddings are {files.config.hidden_size} wide: not this model's")
