@@ -1,0 +1,167 @@
+"""Qwen2.5-VL's vision encoder (transformers' `Qwen2_5_VisionTransformerPretrainedModel`): patches
+(qwen2_vl_preprocess.py) embedded by a 3D convolution over [time, row, col], 2D rotary positions
+(the patch's row on the first half of each head's rotated pairs, its column on the second), RMSNorm
+blocks with a SwiGLU MLP, attention within windows of `window_size` pixels except in the
+`fullatt_block_indexes` blocks (over the whole image), then the merger: RMSNorm, each
+merge_size x merge_size block of patches concatenated, a GELU MLP to the decoder's width.
+
+Windows: the image's merge-blocks are reordered window by window (windows row by row, blocks row
+by row within a window; the last row and column of windows may be partial), every block keeps its
+merge_size**2 patches together, and the output is put back in the image's block order.
+
+Not yet wired to a model: the decoder's M-RoPE (3D positions for image tokens) is still to come."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelFormatError, UnsupportedModelError
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu,
+                                                                    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
+NORM_EPS = 1e-6  # transformers' Qwen2_5_VLRMSNorm in the blocks and the merger
+
+
+@dataclass(frozen=True)
+class Qwen25VisionConfig:
+    depth: int = 32
+    hidden_size: int = 1280
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    window_size: int = 112
+    out_hidden_size: int = 3584
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], where: str) -> "Qwen25VisionConfig":
+        rope = hf.get("rope_parameters") or {}
+        try:
+            cfg = cls(**{k: hf[k] for k in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+                                            "patch_size", "spatial_merge_size", "temporal_patch_size", "window_size",
+                                            "out_hidden_size", "hidden_act") if k in hf},
+                      fullatt_block_indexes=tuple(int(i) for i in hf.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))))
+        except (TypeError, ValueError) as e:
+            raise ModelFormatError(f"{where}: vision_config: {e}") from None
+        if rope.get("rope_type", "axial") != "axial":
+            raise UnsupportedModelError(f"{where}: vision_config rope_type {rope.get('rope_type')!r} is not supported")
+        if cfg.hidden_act not in _ACTIVATIONS:
+            raise UnsupportedModelError(f"{where}: vision_config.hidden_act {cfg.hidden_act!r} is not supported")
+        if cfg.hidden_size % cfg.num_heads or (cfg.hidden_size // cfg.num_heads) % 4 or \
+                cfg.window_size % (cfg.patch_size * cfg.spatial_merge_size):
+            raise ModelFormatError(f"{where}: vision_config: inconsistent sizes {cfg}")
+        return cfg
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the encoder reads (transformers' names under `visual.`)."""
+        h, f, m2 = self.hidden_size, self.intermediate_size, self.hidden_size * self.spatial_merge_size ** 2
+        shapes: dict[str, tuple[int, ...]] = {
+            "patch_embed.proj.weight": (h, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size),
+            "merger.ln_q.weight": (h,), "merger.mlp.0.weight": (m2, m2), "merger.mlp.0.bias": (m2,),
+            "merger.mlp.2.weight": (self.out_hidden_size, m2), "merger.mlp.2.bias": (self.out_hidden_size,)}
+        for i in range(self.depth):
+            q = f"blocks.{i}."
+            shapes.update({q + "norm1.weight": (h,), q + "norm2.weight": (h,),
+                           q + "attn.qkv.weight": (3 * h, h), q + "attn.qkv.bias": (3 * h,),
+                           q + "attn.proj.weight": (h, h), q + "attn.proj.bias": (h,),
+                           q + "mlp.gate_proj.weight": (f, h), q + "mlp.gate_proj.bias": (f,),
+                           q + "mlp.up_proj.weight": (f, h), q + "mlp.up_proj.bias": (f,),
+                           q + "mlp.down_proj.weight": (h, f), q + "mlp.down_proj.bias": (h,)})
+        return shapes
+
+
+class Qwen25VisionEncoder(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.cfg = cfg
+        self.w = {name: t.float().contiguous() for name, t in tensors.items()}
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+        spatial = cfg.hidden_size // cfg.num_heads // 2
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+
+    @torch.inference_mode()
+    def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """[grid_h * grid_w, patch dim] patches of one image -> [grid_h * grid_w / merge**2, out hidden]."""
+        cfg, w = self.cfg, self.w
+        gh, gw = grid
+        unit = cfg.spatial_merge_size ** 2
+        x = F.conv3d(patches.float().view(-1, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                          cfg.patch_size), w["patch_embed.proj.weight"],
+                     stride=(cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)).view(-1, cfg.hidden_size)
+        n = x.shape[0]
+        order, windows = window_order(gh // cfg.spatial_merge_size, gw // cfg.spatial_merge_size,
+                                      cfg.window_size // cfg.spatial_merge_size // cfg.patch_size)
+
+        def by_window(t: torch.Tensor) -> torch.Tensor:  # [n, ...] in block order -> window order
+            return t.reshape(n // unit, unit, -1)[order].reshape(n, -1)
+
+        x = by_window(x)
+        freqs = rotary_positions(gh, gw, cfg.spatial_merge_size)[..., None].float() * self.inv_freq  # [n, 2, d/4]
+        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        cos, sin = (by_window(torch.cat([f, f], dim=-1))[:, None, :] for f in (freqs.cos(), freqs.sin()))
+        whole = [n]
+        heads, head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+        for i in range(cfg.depth):
+            q = f"blocks.{i}."
+            y = _rms(x, w[q + "norm1.weight"])
+            qkv = F.linear(y, w[q + "attn.qkv.weight"], w[q + "attn.qkv.bias"]).view(n, 3, heads, head_dim)
+            qs, ks, vs = qkv.unbind(1)  # [n, heads, head_dim]
+            qs, ks = qs * cos + _rotate_half(qs) * sin, ks * cos + _rotate_half(ks) * sin
+            lengths = whole if i in cfg.fullatt_block_indexes else [length * unit for length in windows]
+            out = [F.scaled_dot_product_attention(a.transpose(0, 1)[None], b.transpose(0, 1)[None],
+                                                  c.transpose(0, 1)[None], scale=head_dim ** -0.5)[0].transpose(0, 1)
+                   for a, b, c in zip(qs.split(lengths), ks.split(lengths), vs.split(lengths))]
+            x = x + F.linear(torch.cat(out).reshape(n, -1), w[q + "attn.proj.weight"], w[q + "attn.proj.bias"])
+            y = _rms(x, w[q + "norm2.weight"])
+            gate = self.act(F.linear(y, w[q + "mlp.gate_proj.weight"], w[q + "mlp.gate_proj.bias"]))
+            up = F.linear(y, w[q + "mlp.up_proj.weight"], w[q + "mlp.up_proj.bias"])
+            x = x + F.linear(gate * up, w[q + "mlp.down_proj.weight"], w[q + "mlp.down_proj.bias"])
+        x = _rms(x, w["merger.ln_q.weight"]).view(n // unit, -1)
+        x = F.linear(F.gelu(F.linear(x, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"])),
+                     w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
+        return x[torch.argsort(order)]
+
+
+def window_order(rows: int, cols: int, size: int) -> tuple[torch.Tensor, list[int]]:
+    """The image's merge-blocks ([rows, cols], numbered row by row) in window order, and how many
+    blocks each window holds: windows of size x size blocks row by row, the last ones partial."""
+    index = torch.arange(rows * cols).reshape(rows, cols)
+    order, lengths = [], []
+    for r in range(0, rows, size):
+        for c in range(0, cols, size):
+            window = index[r:r + size, c:c + size].reshape(-1)
+            order.append(window)
+            lengths.append(window.numel())
+    return torch.cat(order), lengths
+
+
+def rotary_positions(gh: int, gw: int, merge: int) -> torch.Tensor:
+    """[gh * gw, 2] (row, col) of each patch in the encoder's order (merge-blocks row by row, the
+    patches of a block row by row)."""
+    rows, cols = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+    shape = (gh // merge, merge, gw // merge, merge)
+    return torch.stack([rows.reshape(shape).transpose(1, 2).flatten(), cols.reshape(shape).transpose(1, 2).flatten()],
+                       dim=-1)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
