@@ -202,3 +202,18 @@ def test_a_smolvlm2_folder_matches_its_transformers_class(tmp_path):
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
     assert (llm.logits(ids, images=images) - expected).abs().max().item() < 1e-4
+
+
+def test_the_encoder_cache_keeps_to_its_byte_budget(folder):
+    # without the prefix cache, so that the second request needs every tile's vectors again
+    llm = LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=1024, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    tile_bytes = 16 * 64 * 4  # a tile's 16 vectors of the decoder's 64 floats
+    runner.encoder_cache_bytes = 3 * tile_bytes
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    first = llm.chat(conversation({"type": "image", "image": photo()}), params)[0]
+    assert len(runner.encoder_cache) == 3 and sum(t.nbytes for t in runner.encoder_cache.values()) <= 3 * tile_bytes
+    again = llm.chat(conversation({"type": "image", "image": photo()}), params)[0]
+    # ten tiles in order through a cache of three: each was evicted before it was needed again
+    assert runner.encoder_stats["images_encoded"] == 20 and len(runner.encoder_cache) == 3
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
