@@ -68,3 +68,54 @@ def test_window_order_keeps_partial_windows():
     order, lengths = window_order(3, 5, 2)
     assert lengths == [4, 4, 2, 2, 2, 1]
     assert order[:4].tolist() == [0, 1, 5, 6] and sorted(order.tolist()) == list(range(15))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny `Qwen2_5_VLForConditionalGeneration` saved by transformers (weights and config only)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "mrope_section": [2, 3, 3]})
+    config = Qwen2_5_VLConfig(text_config=text, vision_config={**HF, "out_hidden_size": 64},
+                              image_token_id=300, video_token_id=301, vision_start_token_id=302,
+                              vision_end_token_id=303)
+    torch.manual_seed(1)
+    model = Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if ("norm" in name or "ln_q" in name) else p.normal_(0, 0.15)
+    out = tmp_path_factory.mktemp("tiny_qwen2_5_vl")
+    model.save_pretrained(out)
+    return out, model
+
+
+def test_encoder_from_a_folder_matches_get_image_features(folder):
+    from wallbreaker.vision.qwen2_5_vl import load_folder
+    path, model = folder
+    encoder, processor = load_folder(path)
+    images = [processor(Image.fromarray(getattr(skdata, n)()))
+              for n in ("coffee", "camera")]  # transformers' default bounds: larger grids, many windows
+    pixels = torch.cat([x for x, _ in images])
+    grids = torch.tensor([[1, *g] for _, g in images])
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixels, grids).pooler_output
+    for (x, grid), want in zip(images, expected):
+        got = encoder(x, grid)
+        assert got.shape == want.shape and (got - want).abs().max().item() < 1e-4
+
+
+def test_mrope_positions_are_get_rope_index(folder):
+    from wallbreaker.vision.qwen2_5_vl import mrope_positions
+    _, model = folder
+    grids = [(8, 12), (6, 4)]  # patches; merged 4x6 (24 tokens) and 3x2 (6 tokens)
+    ids = [5, 6, 302] + [300] * 24 + [303, 7, 8, 9, 302] + [300] * 6 + [303, 10, 11]
+    offsets = [3, 32]
+    types = [1 if t == 300 else 0 for t in ids]
+    expected, delta = model.model.get_rope_index(torch.tensor([ids]), torch.tensor([types]),
+                                                 image_grid_thw=torch.tensor([[1, *g] for g in grids]))
+    got, got_delta = mrope_positions(len(ids), [(o, *g) for o, g in zip(offsets, grids)], 2)
+    assert torch.equal(got, expected[:, 0]) and got_delta == int(delta)
+    assert got_delta < 0  # the images take fewer positions than tokens: the test can fail

@@ -9,10 +9,14 @@ Windows: the image's merge-blocks are reordered window by window (windows row by
 by row within a window; the last row and column of windows may be partial), every block keeps its
 merge_size**2 patches together, and the output is put back in the image's block order.
 
-Not yet wired to a model: the decoder's M-RoPE (3D positions for image tokens) is still to come."""
+`mrope_positions` gives the decoder's 3D (M-RoPE) positions of a prompt with images, as
+transformers' `get_rope_index`. Not yet wired to the engine: its decoder's rotary embedding takes one
+position per token, and M-RoPE needs the three, and a per-sequence offset after each image."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -20,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelFormatError, UnsupportedModelError
+from .gemma3 import _check
+from .qwen2_vl_preprocess import Qwen2VLImageProcessor
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu,
                                                                     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
@@ -134,6 +140,55 @@ class Qwen25VisionEncoder(nn.Module):
         x = F.linear(F.gelu(F.linear(x, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"])),
                      w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
         return x[torch.argsort(order)]
+
+
+# where checkpoints keep the encoder: transformers 5 saves `model.visual.*`, Qwen's releases `visual.*`
+_PREFIXES = ("model.visual.", "visual.")
+
+
+def load_folder(path: Path) -> tuple[Qwen25VisionEncoder, Qwen2VLImageProcessor]:
+    """The vision encoder and the image processor of a Hugging Face `Qwen2_5_VLForConditionalGeneration`
+    folder."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    hf = json.loads((path / "config.json").read_text())
+    cfg = Qwen25VisionConfig.from_hf(hf.get("vision_config") or {}, f"{path}/config.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
+                if prefix is not None:
+                    tensors[name[len(prefix):]] = f.get_tensor(name)
+    _check(str(path), "vision encoder", tensors, cfg.tensor_shapes())
+    processor = Qwen2VLImageProcessor.from_folder(path)
+    if (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != \
+            (cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size):
+        raise ModelFormatError(f"{path}: the image processor's patch, merge and temporal sizes are not the encoder's")
+    return Qwen25VisionEncoder(cfg, tensors), processor
+
+
+def mrope_positions(length: int, images: list[tuple[int, int, int]], merge: int) -> tuple[torch.Tensor, int]:
+    """[3, length] (temporal, row, column) positions of a prompt whose images are `images`: (offset of
+    the first `<|image_pad|>` token, grid_h, grid_w) in patches, in order; and the offset that the
+    positions of the tokens after the prompt take (`mrope_position_deltas`). Text tokens take the
+    same position thrice, one more than the last; an image's tokens start at the next position and
+    add their block's row and column, and the text after it resumes past its larger side."""
+    parts, pos, at = [], 0, 0
+    for offset, gh, gw in images:
+        rows, cols = gh // merge, gw // merge
+        if offset < at or offset + rows * cols > length:
+            raise ValueError("images must lie within the prompt, in order")
+        parts.append(torch.arange(offset - at).expand(3, -1) + pos)
+        pos += offset - at
+        r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        parts.append(torch.stack([torch.zeros(rows * cols, dtype=torch.long), r.flatten(), c.flatten()]) + pos)
+        pos += max(rows, cols)
+        at = offset + rows * cols
+    parts.append(torch.arange(length - at).expand(3, -1) + pos)
+    positions = torch.cat(parts, dim=1)
+    return positions, int(positions.max()) + 1 - length
 
 
 def window_order(rows: int, cols: int, size: int) -> tuple[torch.Tensor, list[int]]:
