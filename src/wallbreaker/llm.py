@@ -86,6 +86,9 @@ def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
             return Gemma3Vision.from_folder(files.path, files.tokenizer)
         if is_idefics3_vision_config(hf):
             return Idefics3Vision.from_folder(files.path, files.tokenizer)
+        from .vision.qwen2_5_vl import Qwen25VLVision, is_qwen2_5_vl_config
+        if is_qwen2_5_vl_config(hf):
+            return Qwen25VLVision.from_folder(files.path, files.tokenizer)
         return None
     if mmproj is None:
         found = sorted(Path(files.path).parent.glob("mmproj*.gguf"))

@@ -98,6 +98,7 @@ class ModelRunner:
         state_spans: list[StateSpan] = []
         embed_rows: list[int] = []
         embed_values: list[torch.Tensor] = []
+        mrope: list[torch.Tensor | None] = []  # each piece's M-RoPE positions (Qwen2.5-VL's images), or None
         for j, start, end, paged in pieces:
             seq, n = batch.seqs[j], end - start
             rows_of.setdefault(j, []).append((start, len(input_ids)))
@@ -118,6 +119,7 @@ class ModelRunner:
                 state_spans.append(StateSpan(len(input_ids), n, seq.state_slot, list(seq.state_saves)))
             input_ids += seq.tokens_to_compute(start, end)
             positions += range(start, end)
+            mrope.append(seq.rope_positions(start, end))
             slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                       for p in range(start, end)]
 
@@ -153,6 +155,9 @@ class ModelRunner:
             block_size=self.block_size, num_paged_tokens=query_start[-1],
             state=StateMetadata(state_spans) if self.states is not None else None,
             split_by_origin=self.split_by_origin,
+            mrope_positions=None if all(m is None for m in mrope) else torch.cat(
+                [torch.arange(s, e).expand(3, -1) if m is None else m
+                 for m, (_, s, e, _) in zip(mrope, pieces)], dim=1).to(self.device),
         )
         if all_logits:
             rows = None if batch_rows == list(range(len(batch_rows))) else torch.tensor(batch_rows, device=self.device)

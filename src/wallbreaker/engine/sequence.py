@@ -84,6 +84,14 @@ class Sequence:
     images: tuple["ImageInput", ...] = ()  # the prompt's images, by the positions of their soft tokens
     encoder_time_s: float = 0.0  # spent in the vision encoder on this sequence's images
 
+    def rope_positions(self, start: int, end: int) -> torch.Tensor | None:
+        """[3, end - start] M-RoPE positions of tokens start..end where the prompt's images have them
+        (Qwen2.5-VL); None: plain positions, the tokens' indices."""
+        if not self.images:
+            return None
+        from ..vision.inputs import rope_positions
+        return rope_positions(self.images, self.num_prompt_tokens, start, end)
+
     def fit_chunk(self, start: int, num_new: int) -> int:
         """The tokens from `start` a step may compute, given at most `num_new`: never part of an image's
         block, whose tokens attend to each other both ways (vision/inputs.py `fit_chunk`)."""

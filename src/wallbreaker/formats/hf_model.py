@@ -40,7 +40,7 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if not isinstance(hf, dict):
         raise ModelFormatError(f"{cfg_path}: config.json is not a JSON object")
     multimodal = is_multimodal(hf)  # its decoder read here, its vision side by wallbreaker.vision
-    if hf.get("model_type") in ("gemma3", "idefics3", "smolvlm") and "text_config" in hf:
+    if hf.get("model_type") in ("gemma3", "idefics3", "smolvlm", "qwen2_5_vl") and "text_config" in hf:
         if not isinstance(hf["text_config"], dict):
             raise ModelFormatError(f"{cfg_path}: text_config is not a JSON object")
         hf = decoder_config(hf)
@@ -185,6 +185,8 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
                      layer_types=_layer_types(hf, layers, where, "qwen" if arch.startswith("qwen") else "all"))
     if arch in ("qwen3", "qwen3moe"):
         extra["qk_norm"] = True
+    if isinstance(rope.get("mrope_section"), list):  # Qwen2.5-VL's decoder
+        extra["mrope_section"] = tuple(rope["mrope_section"])
     if arch == qwen3_next.ARCH:
         extra.update(qwen3_next.config_from_hf(hf, where, unsupported))
     if model_type == "mixtral":

@@ -10,9 +10,9 @@ from __future__ import annotations
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."), ("model.text_model.", "model."))
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
-                    "model.vision_model.", "model.connector.")
+                    "model.vision_model.", "model.connector.", "model.visual.", "visual.")
 # model_type -> the decoder's model_type, for the vision-language configs whose decoder is text_config
-_DECODERS = {"gemma3": "gemma3_text", "idefics3": "llama", "smolvlm": "llama"}
+_DECODERS = {"gemma3": "gemma3_text", "idefics3": "llama", "smolvlm": "llama", "qwen2_5_vl": "qwen2"}
 
 
 def text_tensor_name(hf_name: str) -> str | None:
@@ -36,3 +36,7 @@ def decoder_config(hf: dict) -> dict:
     if hf.get("model_type") != "gemma3" and "tie_word_embeddings" in hf:
         text = {**text, "tie_word_embeddings": hf["tie_word_embeddings"]}  # Idefics3 ties at the top level
     return {**text, "model_type": _DECODERS[hf["model_type"]]}
+
+
+def is_vision_tensor(hf_name: str) -> bool:
+    return hf_name.startswith(_VISION_PREFIXES)

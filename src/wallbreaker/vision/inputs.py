@@ -16,6 +16,7 @@ class ImageInput:
     pixels: torch.Tensor = field(repr=False)  # [3, H, W] float32, the processor's output
     bidirectional: bool = True  # its soft tokens attend to each other both ways (Gemma 3); else causally (SmolVLM)
     tile: int = 0  # which tile of its image this is (SmolVLM splits an image into tiles, one run each)
+    grid: tuple[int, int] | None = None  # M-RoPE (Qwen2.5-VL): its tokens as rows x cols; None: plain positions
 
     @property
     def end(self) -> int:
@@ -26,6 +27,18 @@ def pixel_digest(pixels: torch.Tensor) -> bytes:
     digest = hashlib.sha256(b"image:" + repr((tuple(pixels.shape), str(pixels.dtype))).encode())
     digest.update(pixels.contiguous().numpy().tobytes())
     return digest.digest()
+
+
+def rope_positions(images: tuple[ImageInput, ...], num_prompt: int, start: int, end: int) -> torch.Tensor | None:
+    """[3, end - start] M-RoPE positions (temporal, row, column) of tokens start..end of a sequence whose
+    prompt of `num_prompt` tokens holds `images`; None where no image has a grid (plain positions).
+    Tokens past the prompt take their index plus the prompt's offset, thrice."""
+    if not images or images[0].grid is None:
+        return None
+    from .qwen2_5_vl import mrope_positions
+    table, delta = mrope_positions(num_prompt, [(im.offset, *im.grid) for im in images], 1)
+    tail = torch.arange(max(start, num_prompt), max(end, num_prompt)).expand(3, -1) + delta
+    return torch.cat([table[:, start:min(end, num_prompt)], tail], dim=1)
 
 
 def fit_chunk(images: tuple[ImageInput, ...], start: int, num_new: int) -> int:

@@ -111,10 +111,12 @@ def chat_prompt(vision: "Gemma3Vision | Idefics3Vision", template, tokenizer, me
     ids = tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
     runs = image_runs(ids, vision.image_id)
     tiles = [(k, pixels) for _, all_pixels in expanded for k, pixels in enumerate(all_pixels)]
-    if len(runs) != len(tiles) or any(length != vision.run_length for _, length in runs):
+    tokens_of = getattr(vision, "tokens_of", lambda pixels: vision.run_length)  # Qwen2.5-VL's vary by image
+    grid_of = getattr(vision, "grid_of", lambda pixels: None)  # M-RoPE positions (Qwen2.5-VL)
+    if len(runs) != len(tiles) or any(length != tokens_of(pixels) for (_, length), (_, pixels) in zip(runs, tiles)):
         raise InvalidRequestError(f"the prompt's text holds {tokenizer.id_to_token(vision.image_id)} tokens of its own; "
                                   f"it must not", param="messages")
-    images = [ImageInput(offset, length, pixel_digest(pixels), pixels, vision.bidirectional, k)
+    images = [ImageInput(offset, length, pixel_digest(pixels), pixels, vision.bidirectional, k, grid_of(pixels))
               for (offset, length), (k, pixels) in zip(runs, tiles)]
     return text, ids, images
 

@@ -98,6 +98,22 @@ class Qwen25VisionEncoder(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
         spatial = cfg.hidden_size // cfg.num_heads // 2
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+        self.linears: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # `use_linears`; else F.linear
+
+    LINEARS = ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+    def use_linears(self, make: Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        """Run the blocks' projections through `make(weight, bias)`'s modules (the `auto` path)."""
+        for i in range(self.cfg.depth):
+            for proj in self.LINEARS:
+                name = f"blocks.{i}.{proj}"
+                self.linears[name] = make(self.w.pop(name + ".weight"), self.w.pop(name + ".bias"))
+
+    def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        module = self.linears.get(name)
+        if module is not None:
+            return module(x).float()
+        return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
 
     @torch.inference_mode()
     def forward(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
@@ -124,18 +140,16 @@ class Qwen25VisionEncoder(nn.Module):
         for i in range(cfg.depth):
             q = f"blocks.{i}."
             y = _rms(x, w[q + "norm1.weight"])
-            qkv = F.linear(y, w[q + "attn.qkv.weight"], w[q + "attn.qkv.bias"]).view(n, 3, heads, head_dim)
+            qkv = self._lin(q + "attn.qkv", y).reshape(n, 3, heads, head_dim)
             qs, ks, vs = qkv.unbind(1)  # [n, heads, head_dim]
             qs, ks = qs * cos + _rotate_half(qs) * sin, ks * cos + _rotate_half(ks) * sin
             lengths = whole if i in cfg.fullatt_block_indexes else [length * unit for length in windows]
             out = [F.scaled_dot_product_attention(a.transpose(0, 1)[None], b.transpose(0, 1)[None],
                                                   c.transpose(0, 1)[None], scale=head_dim ** -0.5)[0].transpose(0, 1)
                    for a, b, c in zip(qs.split(lengths), ks.split(lengths), vs.split(lengths))]
-            x = x + F.linear(torch.cat(out).reshape(n, -1), w[q + "attn.proj.weight"], w[q + "attn.proj.bias"])
+            x = x + self._lin(q + "attn.proj", torch.cat(out).reshape(n, -1))
             y = _rms(x, w[q + "norm2.weight"])
-            gate = self.act(F.linear(y, w[q + "mlp.gate_proj.weight"], w[q + "mlp.gate_proj.bias"]))
-            up = F.linear(y, w[q + "mlp.up_proj.weight"], w[q + "mlp.up_proj.bias"])
-            x = x + F.linear(gate * up, w[q + "mlp.down_proj.weight"], w[q + "mlp.down_proj.bias"])
+            x = x + self._lin(q + "mlp.down_proj", self.act(self._lin(q + "mlp.gate_proj", y)) * self._lin(q + "mlp.up_proj", y))
         x = _rms(x, w["merger.ln_q.weight"]).view(n // unit, -1)
         x = F.linear(F.gelu(F.linear(x, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"])),
                      w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
@@ -189,6 +203,60 @@ def mrope_positions(length: int, images: list[tuple[int, int, int]], merge: int)
     parts.append(torch.arange(length - at).expand(3, -1) + pos)
     positions = torch.cat(parts, dim=1)
     return positions, int(positions.max()) + 1 - length
+
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+def is_qwen2_5_vl_config(hf: Any) -> bool:
+    return isinstance(hf, dict) and hf.get("model_type") == "qwen2_5_vl" and isinstance(hf.get("vision_config"), dict)
+
+
+class Qwen25VLVision(nn.Module):
+    """Qwen2.5-VL's vision side as the engine asks it of a family (vision/prompt.py): the chat template
+    writes `<|vision_start|><|image_pad|><|vision_end|>` for an image, the processor repeats the pad
+    once per merged block; an image's pixels are its resized, normalized [3, H, W] (patched at encode
+    time), its grid gives the decoder's M-RoPE positions, and attention over it is causal."""
+
+    marker = IMAGE_PAD
+    bidirectional = False
+
+    def __init__(self, encoder: Qwen25VisionEncoder, processor: Qwen2VLImageProcessor, image_id: int):
+        super().__init__()
+        self.tower = encoder
+        self.processor = processor
+        self.image_id = image_id
+        self.unit = processor.patch_size * processor.merge_size  # pixels of a merged block's side
+
+    @property
+    def hidden_size(self) -> int:
+        return self.tower.cfg.out_hidden_size
+
+    def grid_of(self, pixels: torch.Tensor) -> tuple[int, int]:
+        """(rows, cols) of merged blocks: the image's tokens."""
+        return pixels.shape[-2] // self.unit, pixels.shape[-1] // self.unit
+
+    def tokens_of(self, pixels: torch.Tensor) -> int:
+        rows, cols = self.grid_of(pixels)
+        return rows * cols
+
+    def expand(self, image) -> tuple[str, list[torch.Tensor]]:
+        pixels = self.processor.normalized(image)
+        return IMAGE_PAD * self.tokens_of(pixels), [pixels]
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] -> [N, tokens, text hidden]."""
+        return torch.stack([self.tower(*self.processor.patchify(x)) for x in pixels])
+
+    @classmethod
+    def from_folder(cls, path: Path, tokenizer) -> "Qwen25VLVision":
+        encoder, processor = load_folder(path)
+        hf = json.loads((Path(path) / "config.json").read_text())
+        image_id = hf.get("image_token_id")
+        if tokenizer.token_to_id(IMAGE_PAD) != image_id:
+            raise ModelFormatError(f"{path}/config.json: image_token_id {image_id!r} is not the tokenizer's {IMAGE_PAD}")
+        return cls(encoder, processor, image_id)
 
 
 def window_order(rows: int, cols: int, size: int) -> tuple[torch.Tensor, list[int]]:

@@ -74,6 +74,10 @@ class Qwen2VLImageProcessor:
 
     def __call__(self, image) -> tuple[torch.Tensor, tuple[int, int]]:
         """A PIL image -> ([grid_h * grid_w, patch dim] float32 patches, (grid_h, grid_w))."""
+        return self.patchify(self.normalized(image))
+
+    def normalized(self, image) -> torch.Tensor:
+        """A PIL image -> [3, H, W] float32, resized, rescaled and normalized (before patching)."""
         from PIL import Image
 
         if self.do_convert_rgb:
@@ -82,8 +86,11 @@ class Qwen2VLImageProcessor:
             height, width = smart_resize(image.height, image.width, self.patch_size * self.merge_size,
                                          self.min_pixels, self.max_pixels)
             image = image.resize((width, height), resample=Image.Resampling(self.resample))
-        x = to_pixels(image, self.rescale_factor if self.do_rescale else None,
-                      (self.image_mean, self.image_std) if self.do_normalize else None)  # [C, H, W]
+        return to_pixels(image, self.rescale_factor if self.do_rescale else None,
+                         (self.image_mean, self.image_std) if self.do_normalize else None)  # [C, H, W]
+
+    def patchify(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """[C, H, W] -> ([grid_h * grid_w, patch dim] in the encoder's order, (grid_h, grid_w))."""
         c, h, w = x.shape
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = h // p, w // p
