@@ -148,3 +148,23 @@ def test_the_auto_path_and_the_prefix_cache_take_images_too(folder, llm):
     assert again.metrics["num_cached_prompt_tokens"] >= image.end // 8 * 8
     cold = llm.chat(conversation(photo(), "What is in this picture?"), params)[0]
     assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_openai_client_gets_llm_chats_text(folder, llm):
+    openai = pytest.importorskip("openai")
+    import base64
+    import io
+    from server_apps import make_app, running_server
+    from server_process import free_port
+
+    buf = io.BytesIO()
+    photo("coffee").save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Describe the image."}]}]
+    expected = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+    with running_server(make_app(folder, max_model_len=512, port=free_port())) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(model="m", temperature=0, max_tokens=8, messages=messages,
+                                                extra_body={"ignore_eos": True})
+    assert answer.choices[0].message.content == expected
