@@ -10,8 +10,9 @@ by row within a window; the last row and column of windows may be partial), ever
 merge_size**2 patches together, and the output is put back in the image's block order.
 
 `mrope_positions` gives the decoder's 3D (M-RoPE) positions of a prompt with images, as
-transformers' `get_rope_index`. Not yet wired to the engine: its decoder's rotary embedding takes one
-position per token, and M-RoPE needs the three, and a per-sequence offset after each image."""
+transformers' `get_rope_index` (the engine's sequences take them through vision/inputs.py
+`rope_positions`, the decoder's rotary embedding is layers/rotary.py `MRotaryEmbedding`).
+`Qwen25VLVision` is the family as vision/prompt.py and the runner use it."""
 from __future__ import annotations
 
 import json
