@@ -29,14 +29,19 @@ def pixel_digest(pixels: torch.Tensor) -> bytes:
     return digest.digest()
 
 
-def rope_positions(images: tuple[ImageInput, ...], num_prompt: int, start: int, end: int) -> torch.Tensor | None:
-    """[3, end - start] M-RoPE positions (temporal, row, column) of tokens start..end of a sequence whose
-    prompt of `num_prompt` tokens holds `images`; None where no image has a grid (plain positions).
-    Tokens past the prompt take their index plus the prompt's offset, thrice."""
+def rope_table(images: tuple[ImageInput, ...], num_prompt: int) -> tuple[torch.Tensor, int] | None:
+    """The [3, num_prompt] M-RoPE positions (temporal, row, column) of a prompt that holds `images`, and
+    the offset of the tokens after it; None where no image has a grid (plain positions)."""
     if not images or images[0].grid is None:
         return None
     from .qwen2_5_vl import mrope_positions
-    table, delta = mrope_positions(num_prompt, [(im.offset, *im.grid) for im in images], 1)
+    return mrope_positions(num_prompt, [(im.offset, *im.grid) for im in images], 1)
+
+
+def rope_positions(table: tuple[torch.Tensor, int], num_prompt: int, start: int, end: int) -> torch.Tensor:
+    """[3, end - start] M-RoPE positions of tokens start..end, from the prompt's `rope_table`: tokens past
+    the prompt take their index plus the prompt's offset, thrice."""
+    table, delta = table
     tail = torch.arange(max(start, num_prompt), max(end, num_prompt)).expand(3, -1) + delta
     return torch.cat([table[:, start:min(end, num_prompt)], tail], dim=1)
 
