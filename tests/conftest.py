@@ -142,3 +142,10 @@ def tiny_gemma3_vision(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of a tiny random-weight Gemma 3 vision model (Gemma3ForConditionalGeneration)."""
     from tiny_vision import make_tiny_gemma3_vision
     return make_tiny_gemma3_vision(tmp_path_factory.mktemp("tiny_gemma3_vision"))
+
+
+@pytest.fixture(scope="session")
+def tiny_smolvlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of a tiny random-weight SmolVLM (Idefics3ForConditionalGeneration, tests/tiny_smolvlm.py)."""
+    from tiny_smolvlm import make_tiny_smolvlm
+    return make_tiny_smolvlm(tmp_path_factory.mktemp("tiny_smolvlm"))

@@ -161,6 +161,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    mrope_section: tuple[int, ...] = ()  # Qwen2.5-VL's multimodal RoPE (layers/rotary.py); (): plain
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -266,6 +267,10 @@ class ModelConfig:
             _positive_int("expert_intermediate_size", self.expert_intermediate_size)
         if self.sliding_window is not None:
             _positive_int("sliding_window", self.sliding_window)
+        if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != self.head_dim
+                                   or not all(isinstance(n, int) and n >= 0 for n in self.mrope_section)):
+            raise ConfigError("mrope_section", f"mrope_section must be three sizes summing to head_dim / 2, got "
+                                               f"{short_repr(self.mrope_section)}")
         for name in ("tie_word_embeddings", "qkv_bias", "qk_norm", "sandwich_norm", "embed_scale", "norm_topk_prob"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"{name} must be true or false, got {short_repr(getattr(self, name))}")

@@ -73,25 +73,31 @@ def _cache_salt(prompt: PromptType) -> str | None:
 
 
 def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
-    """The vision encoder of a model that takes images: a Gemma 3 folder with its vision tower, or a
-    GGUF text model with its `mmproj` file (given, or the one `mmproj*.gguf` beside it); else None."""
+    """The vision encoder of a model that takes images: a Gemma 3 or SmolVLM (Idefics3) folder with its
+    vision tower, or a GGUF text model with its `mmproj` file (given, or the one `mmproj*.gguf` beside
+    it); else None."""
     from .vision.gemma3 import Gemma3Vision, is_gemma3_vision_config
+    from .vision.idefics3 import Idefics3Vision, is_idefics3_vision_config
     if files.format == "hf":
         if mmproj is not None:
             raise InvalidRequestError("mmproj goes with a GGUF text model; a Hugging Face folder carries its own "
                                       "vision tower")
-        return Gemma3Vision.from_folder(files.path, files.tokenizer) \
-            if is_gemma3_vision_config(_config_json(files.path)) else None
+        hf = _config_json(files.path)
+        if is_gemma3_vision_config(hf):
+            return Gemma3Vision.from_folder(files.path, files.tokenizer)
+        if is_idefics3_vision_config(hf):
+            return Idefics3Vision.from_folder(files.path, files.tokenizer)
+        from .vision.qwen2_5_vl import Qwen25VLVision, is_qwen2_5_vl_config
+        if is_qwen2_5_vl_config(hf):
+            return Qwen25VLVision.from_folder(files.path, files.tokenizer)
+        return None
     if mmproj is None:
         found = sorted(Path(files.path).parent.glob("mmproj*.gguf"))
         if len(found) != 1 or found[0] == Path(files.path):
             return None
         mmproj = found[0]
-    if files.config.architecture != "gemma3":
-        raise InvalidRequestError(f"mmproj: vision is supported for gemma3 text models, not "
-                                  f"{files.config.architecture}")
     from .vision.mmproj import read_mmproj
-    vision = read_mmproj(mmproj, files.tokenizer)
+    vision = read_mmproj(mmproj, files.tokenizer, files.config.architecture)
     if vision.hidden_size != files.config.hidden_size:
         raise InvalidRequestError(f"mmproj {mmproj}: its projection gives vectors of {vision.hidden_size}, the text "
                                   f"model's embeddings are {files.config.hidden_size} wide: not this model's")

@@ -443,7 +443,7 @@ class LLMEngine:
             metrics.update(spec_proposed_tokens=proposed, spec_accepted_tokens=accepted,
                            spec_acceptance_rate=accepted / proposed)
         if request.images:
-            metrics.update(num_images=len(request.images), image_encode_s=sum(s.encoder_time_s for s in seqs))
+            metrics.update(num_images=sum(im.tile == 0 for im in request.images), image_encode_s=sum(s.encoder_time_s for s in seqs))
         if first is not None:
             metrics["ttft_s"] = first - request.arrival_time
         if first is not None and last is not None:

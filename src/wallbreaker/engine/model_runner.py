@@ -16,7 +16,9 @@ from ..models.base import CausalLM
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
-ENCODER_CACHE_SIZE = 32  # images whose encoder outputs the runner keeps (Gemma 3 4B: 2.6 MB each)
+# the encoder outputs the runner keeps, in bytes: 32 images of Gemma 3 4B (2.6 MB each), or some 580
+# tiles of SmolVLM-256M (64 x 576 floats, 147 KB each; an image is up to 17 of them)
+ENCODER_CACHE_BYTES = 32 * 256 * 2560 * 4
 
 
 @dataclass
@@ -34,7 +36,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, vocab_limit: int | None = None,
                  states: StatePool | None = None, vision: torch.nn.Module | None = None,
-                 encoder_cache_size: int = ENCODER_CACHE_SIZE):
+                 encoder_cache_bytes: int = ENCODER_CACHE_BYTES):
         """`vocab_limit`: token ids at or past it never come out of a step, because an embedding
         padded past the tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens) has rows that no text
         stands for. None: the model's vocabulary (a tensor-parallel worker, which never samples).
@@ -46,7 +48,8 @@ class ModelRunner:
         # prompt is chunked, and again only when it has been evicted
         self.vision = vision
         self.encoder_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self.encoder_cache_size = encoder_cache_size
+        self.encoder_cache_bytes = encoder_cache_bytes
+        self._encoder_cache_used = 0
         self.encoder_stats = {"images_encoded": 0, "encoder_cache_hits": 0, "encoder_time_s": 0.0}
         self.states = states
         self.block_size = kv_cache.block_size
@@ -95,6 +98,7 @@ class ModelRunner:
         state_spans: list[StateSpan] = []
         embed_rows: list[int] = []
         embed_values: list[torch.Tensor] = []
+        mrope: list[torch.Tensor | None] = []  # each piece's M-RoPE positions (Qwen2.5-VL's images), or None
         for j, start, end, paged in pieces:
             seq, n = batch.seqs[j], end - start
             rows_of.setdefault(j, []).append((start, len(input_ids)))
@@ -110,11 +114,12 @@ class ModelRunner:
                 context_lens.append(end)
             else:
                 prefills.append(PrefillSpan(len(input_ids), n, end, torch.tensor(seq.block_table, device=self.device),
-                                            tuple((im.offset, im.end) for im in images)))
+                                            tuple((im.offset, im.end) for im in images if im.bidirectional)))
             if self.states is not None:
                 state_spans.append(StateSpan(len(input_ids), n, seq.state_slot, list(seq.state_saves)))
             input_ids += seq.tokens_to_compute(start, end)
             positions += range(start, end)
+            mrope.append(seq.rope_positions(start, end))
             slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
                       for p in range(start, end)]
 
@@ -150,6 +155,9 @@ class ModelRunner:
             block_size=self.block_size, num_paged_tokens=query_start[-1],
             state=StateMetadata(state_spans) if self.states is not None else None,
             split_by_origin=self.split_by_origin,
+            mrope_positions=None if all(m is None for m in mrope) else torch.cat(
+                [torch.arange(s, e).expand(3, -1) if m is None else m
+                 for m, (_, s, e, _) in zip(mrope, pieces)], dim=1).to(self.device),
         )
         if all_logits:
             rows = None if batch_rows == list(range(len(batch_rows))) else torch.tensor(batch_rows, device=self.device)
@@ -221,8 +229,9 @@ class ModelRunner:
         self.encoder_stats["images_encoded"] += 1
         self.encoder_stats["encoder_time_s"] += elapsed
         self.encoder_cache[image.digest] = out
-        while len(self.encoder_cache) > self.encoder_cache_size:
-            self.encoder_cache.popitem(last=False)
+        self._encoder_cache_used += out.nbytes
+        while self._encoder_cache_used > self.encoder_cache_bytes and len(self.encoder_cache) > 1:
+            self._encoder_cache_used -= self.encoder_cache.popitem(last=False)[1].nbytes
         return out
 
     def _logits(self, step: StepInputs, hidden: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,17 @@ class Sequence:
     state_checkpoint_at: int = 0  # the token count whose state this step keeps for the prefix cache (0: none)
     images: tuple["ImageInput", ...] = ()  # the prompt's images, by the positions of their soft tokens
     encoder_time_s: float = 0.0  # spent in the vision encoder on this sequence's images
+    _rope_table: tuple | None = field(default=None, repr=False)  # vision.inputs.rope_table, () for none
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor | None:
+        """[3, end - start] M-RoPE positions of tokens start..end where the prompt's images have them
+        (Qwen2.5-VL); None: plain positions, the tokens' indices."""
+        if not self.images:
+            return None
+        from ..vision.inputs import rope_positions, rope_table
+        if self._rope_table is None:  # computed once: the prompt's positions never change
+            self._rope_table = rope_table(self.images, self.num_prompt_tokens) or ()
+        return rope_positions(self._rope_table, self.num_prompt_tokens, start, end) if self._rope_table else None
 
     def fit_chunk(self, start: int, num_new: int) -> int:
         """The tokens from `start` a step may compute, given at most `num_new`: never part of an image's

@@ -14,7 +14,7 @@ from ..text.tokenizer import Tokenizer, check_token_ids
 from .checks import check_weights, split_fused
 from .config_keys import layer_types, number, obj, unsupported as unsupported_key
 from .families import adds_one, family, family_of_model_type, hf_expert, hf_to_canonical_table
-from .multimodal import is_multimodal, text_tensor_name
+from .multimodal import decoder_config, is_multimodal, text_tensor_name
 from .names import is_derived
 from .quantized_hf import QUANTIZED_PARTS, is_quantized_folder, read_quantized_weights
 from .safetensors_file import safetensors_handles, tensor_ref
@@ -33,6 +33,8 @@ def read_hf_folder(path: Path) -> ModelFiles:
     if not isinstance(hf, dict):
         raise ModelFormatError(f"{cfg_path}: config.json is not a JSON object")
     multimodal = is_multimodal(hf)  # its decoder read here, its vision side by wallbreaker.vision
+    if multimodal:
+        hf = decoder_config(hf)
     spec = family_of_model_type(hf.get("model_type"), str(path))
     if spec.read_folder is not None:
         return spec.read_folder(path)
@@ -153,6 +155,8 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
         extra.update(sliding_window=hf.get("sliding_window"), layer_types=layer_types(hf, layers, where, spec.sliding))
     if spec.qk_norm:
         extra["qk_norm"] = True
+    if isinstance(rope.get("mrope_section"), list):  # Qwen2.5-VL's decoder
+        extra["mrope_section"] = tuple(rope["mrope_section"])
     if spec.hf_fields is not None:
         extra.update(spec.hf_fields(hf, where))
     extra.update(arch_fields)

@@ -72,13 +72,14 @@ class AttentionMetadata:
     # batch-invariant mode: the paged rows are generated tokens, the prefill spans prompt tokens
     # (engine/model_runner.py), computed in calls of one shape (`_prefill_invariant`)
     split_by_origin: bool = False
+    mrope_positions: torch.Tensor | None = None  # [3, T] where a sequence's images have M-RoPE positions (Qwen2.5-VL)
     _memo: dict = field(default_factory=dict, repr=False)  # per-step values every layer shares
 
     def rotary(self, rope, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of this step's positions, computed once per step for each distinct RoPE (and dtype)."""
         key = (rope.key, dtype)
         if key not in self._memo:
-            cos, sin = rope.cos_sin(self.positions)
+            cos, sin = rope.cos_sin(self.positions if self.mrope_positions is None else self.mrope_positions)
             self._memo[key] = cos.to(dtype), sin.to(dtype)
         return self._memo[key]
 

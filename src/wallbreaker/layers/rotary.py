@@ -126,3 +126,28 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         sin[:, :half].neg_()  # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1.., 1..]; the sign is exact
         return cos, sin
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2.5-VL's multimodal RoPE: positions [3, T] (temporal, row, column); the rotated pairs are cut
+    into `section` (summing to head_dim / 2), the first taking the temporal position's angles, the
+    second the row's, the third the column's (transformers' `recomposition_frequencies`). Plain
+    positions [T] are all three alike, which is plain RoPE."""
+
+    def __init__(self, head_dim: int, theta: float, section: tuple[int, ...]):
+        super().__init__(head_dim, theta)
+        if sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section {section} does not sum to head_dim / 2 = {head_dim // 2}")
+        self.section = tuple(section)
+        self.key = _KEYS.setdefault((head_dim, theta, None, self.section), len(_KEYS))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions)
+        freqs = positions.float()[..., None] * self.inv_freq  # [3, T, head_dim/2]
+        freqs = torch.cat([part[i % 3] for i, part in enumerate(freqs.split(self.section, dim=-1))], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        half = emb.shape[-1] // 2
+        cos, sin = emb.cos(), emb.sin()
+        sin[:, :half].neg_()
+        return cos, sin

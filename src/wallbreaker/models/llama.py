@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata, LayerKV, paged_attention
 from ..layers.direct import DirectModule
 from ..layers.linear import QuantLinear
-from ..layers.rotary import RotaryEmbedding
+from ..layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from .base import CausalLM, rms_norm
 from .source import WeightSource
 
@@ -39,7 +39,8 @@ class Attention(DirectModule):
         sliding = cfg.is_sliding(layer)
         local = sliding and cfg.rope_local_theta is not None  # Gemma 3's sliding layers: their own plain RoPE
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta if local else cfg.rope_theta,
-                                    None if local else cfg.rope_scaling)
+                                    None if local else cfg.rope_scaling) if not cfg.mrope_section else \
+            MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
         self.sliding_window = cfg.sliding_window if sliding else None
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_logit_softcap

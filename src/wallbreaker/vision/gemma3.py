@@ -67,9 +67,29 @@ class Gemma3Vision(nn.Module):
             raise ModelFormatError(f"mm_tokens_per_image {tokens_per_image} does not pool a {side}x{side} patch grid")
         self.pool = side // self.tokens_per_side
 
+    bidirectional = True  # the decoder attends both ways among an image's soft tokens
+
     @property
     def hidden_size(self) -> int:
         return self.projection.shape[1]
+
+    # what vision/prompt.py asks of a family: the marker its chat template writes for an image, what
+    # replaces it, and the runs of image tokens that take the encoder's vectors
+    @property
+    def marker(self) -> str:
+        return self.tokens.boi
+
+    @property
+    def image_id(self) -> int:
+        return self.tokens.image_id
+
+    @property
+    def run_length(self) -> int:
+        return self.tokens.per_image
+
+    def expand(self, image) -> tuple[str, list[torch.Tensor]]:
+        """An image -> the text that replaces its marker, and the pixels of its one run of soft tokens."""
+        return self.tokens.full_sequence, [self.processor(image)]
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -66,19 +66,24 @@ class Gemma3ImageProcessor:
             image = to_rgb(image)
         if self.do_resize:
             image = image.resize((self.width, self.height), resample=Image.Resampling(self.resample))
-        x = torch.from_numpy(np.array(image))
-        if x.dim() == 2:
-            x = x[..., None]
-        x = x.permute(2, 0, 1)  # [C, H, W] uint8
-        if self.do_rescale:
-            x = (x.double() * self.rescale_factor).float()
-        else:
-            x = x.float()
-        if self.do_normalize:
-            mean = torch.tensor(self.image_mean, dtype=torch.float32)[:, None, None]
-            std = torch.tensor(self.image_std, dtype=torch.float32)[:, None, None]
-            x = (x - mean) / std
-        return x.contiguous()
+        return to_pixels(image, self.rescale_factor if self.do_rescale else None,
+                         (self.image_mean, self.image_std) if self.do_normalize else None)
+
+
+def to_pixels(image, rescale_factor: float | None, mean_std: tuple[tuple[float, ...], tuple[float, ...]] | None
+              ) -> torch.Tensor:
+    """A PIL image -> [C, H, W] float32 as transformers' PIL backend computes it: rescaled in float64,
+    then cast to float32 (`np_rescale`), normalized per channel in float32 (`np_normalize`)."""
+    x = torch.from_numpy(np.array(image))
+    if x.dim() == 2:
+        x = x[..., None]
+    x = x.permute(2, 0, 1)  # [C, H, W] uint8
+    x = (x.double() * rescale_factor).float() if rescale_factor is not None else x.float()
+    if mean_std is not None:
+        mean = torch.tensor(mean_std[0], dtype=torch.float32)[:, None, None]
+        std = torch.tensor(mean_std[1], dtype=torch.float32)[:, None, None]
+        x = (x - mean) / std
+    return x.contiguous()
 
 
 def to_rgb(image):

@@ -1,5 +1,5 @@
 """llama.cpp's `mmproj` GGUF (what `convert_hf_to_gguf.py --mmproj` writes beside the text GGUF, the
-file pair llama.cpp and Ollama ship) -> the vision side of a Gemma 3 model: its `clip.*` keys give
+file pair llama.cpp and Ollama ship) -> the vision side of a Gemma 3 or SmolVLM model: its `clip.*` keys give
 the tower's shape and the preprocessing's size, mean and std, its `v.*` and `mm.*` tensors the
 weights (dequantized to float32; the converter stores the projection as F16). The image tokens come
 from the text model's tokenizer, by their spelling."""
@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from ..errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from ..formats.dequant import dequantize
 from ..formats.gguf_file import open_gguf
 from .gemma3 import Gemma3Vision, ImageTokens, _check
 from .gemma3_preprocess import Gemma3ImageProcessor
+from .idefics3 import IMAGE_TOKEN, PROMPT_TOKENS, Idefics3Vision
+from .idefics3_preprocess import Idefics3ImageProcessor
 from .siglip import SiglipConfig, SiglipVisionTower
 
 _LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -34,7 +36,12 @@ def tower_name(name: str) -> str | None:
     return None
 
 
-def read_mmproj(path: str | os.PathLike, tokenizer) -> Gemma3Vision:
+# projector type -> the text models' GGUF architectures it goes with
+TEXT_ARCHITECTURES = {"gemma3": ("gemma3",), "idefics3": ("llama",)}
+
+
+def read_mmproj(path: str | os.PathLike, tokenizer, architecture: str | None = None) -> "Gemma3Vision | Idefics3Vision":
+    """The vision side in an mmproj file, for a text model of `architecture` (checked) and `tokenizer`."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such mmproj file")
@@ -43,8 +50,12 @@ def read_mmproj(path: str | os.PathLike, tokenizer) -> Gemma3Vision:
     if gf.get("general.architecture") != "clip" or not gf.get("clip.has_vision_encoder"):
         raise ModelFormatError(f"{label}: not a vision mmproj file (general.architecture {gf.get('general.architecture')!r})")
     projector = gf.get("clip.projector_type", gf.get("clip.vision.projector_type"))
-    if projector != "gemma3":
-        raise UnsupportedModelError(f"{label}: projector type {projector!r} is not supported (supported: gemma3)")
+    if projector not in TEXT_ARCHITECTURES:
+        raise UnsupportedModelError(f"{label}: projector type {projector!r} is not supported (supported: "
+                                    f"{', '.join(TEXT_ARCHITECTURES)})")
+    if architecture is not None and architecture not in TEXT_ARCHITECTURES[projector]:
+        raise InvalidRequestError(f"mmproj {label}: a {projector} projector goes with "
+                                  f"{' or '.join(TEXT_ARCHITECTURES[projector])} text models, not {architecture}")
 
     def key(name: str, default=None):
         value = gf.get(f"clip.vision.{name}", default)
@@ -57,6 +68,8 @@ def read_mmproj(path: str | os.PathLike, tokenizer) -> Gemma3Vision:
         "num_hidden_layers": key("block_count"), "num_attention_heads": key("attention.head_count"),
         "image_size": key("image_size"), "patch_size": key("patch_size"),
         "layer_norm_eps": key("attention.layer_norm_epsilon", 1e-6), "hidden_act": "gelu_pytorch_tanh"}, label)
+    if projector == "idefics3":
+        return _idefics3(gf, label, tokenizer, cfg, key)
     scale = int(key("projector.scale_factor", 4))
     if scale <= 0 or cfg.patches_per_side % scale:
         raise ModelFormatError(f"{label}: clip.vision.projector.scale_factor {scale} does not divide the "
@@ -83,3 +96,30 @@ def read_mmproj(path: str | os.PathLike, tokenizer) -> Gemma3Vision:
     processor = Gemma3ImageProcessor(height=cfg.image_size, width=cfg.image_size, image_mean=mean, image_std=std)
     return Gemma3Vision(SiglipVisionTower(cfg, tower), other["mm.input_projection.weight"],
                         other["mm.soft_emb_norm.weight"], per_image, cfg.layer_norm_eps, processor, tokens)
+
+
+def _idefics3(gf, label: str, tokenizer, cfg: SiglipConfig, key) -> Idefics3Vision:
+    """SmolVLM's (projector type `idefics3`): the tower, `mm.model.fc.weight` (the connector's
+    projection), the scale factor; the tile is the tower's image size and the whole image's longest
+    edge `clip.vision.preproc_image_size`, as the converter writes them from the processor's config."""
+    scale = int(key("projector.scale_factor", 2))
+    tower, other = {}, {}
+    for name, t in gf.tensors.items():
+        mapped = tower_name(name)
+        (tower if mapped is not None else other)[mapped or name] = dequantize(t.raw, t.ggml_type, t.shape)
+    _check(label, "vision tower", tower, cfg.tensor_shapes())
+    projection = other.get("mm.model.fc.weight")
+    if projection is None or projection.dim() != 2 or projection.shape[1] != cfg.hidden_size * scale ** 2:
+        raise ModelFormatError(f"{label}: mm.model.fc.weight must be [text hidden, {cfg.hidden_size * scale ** 2}], "
+                               f"got {None if projection is None else tuple(projection.shape)}")
+    _check(label, "projector", other, {"mm.model.fc.weight": tuple(projection.shape)})
+    for token in (IMAGE_TOKEN,) + PROMPT_TOKENS:
+        if tokenizer.token_to_id(token) is None:
+            raise ModelFormatError(f"{label}: the text model's tokenizer has no {token} token")
+    processor = Idefics3ImageProcessor(longest_edge=int(key("preproc_image_size", cfg.image_size * 4)),
+                                       tile=cfg.image_size,
+                                       image_mean=tuple(float(v) for v in key("image_mean", [0.5] * 3)),
+                                       image_std=tuple(float(v) for v in key("image_std", [0.5] * 3)))
+    per_tile = cfg.patches_per_side ** 2 // scale ** 2
+    return Idefics3Vision(SiglipVisionTower(cfg, tower), projection, scale, processor,
+                          tokenizer.token_to_id(IMAGE_TOKEN), per_tile)

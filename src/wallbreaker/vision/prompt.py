@@ -1,7 +1,8 @@
 """A conversation with images -> the prompt's text, its token ids and its images, as transformers'
-`Gemma3Processor.apply_chat_template` builds them: image parts reach the chat template as
-`{"type": "image"}` (Gemma's writes <start_of_image> for each), each <start_of_image> is expanded to
-the image's full token sequence, and the text is tokenized whole.
+processors' `apply_chat_template` builds them (Gemma 3's, Idefics3's): image parts reach the chat
+template as `{"type": "image"}` (Gemma's writes <start_of_image> for each, SmolVLM's <image>), each
+marker is replaced by the image's full token sequence (the family's `expand`), and the text is
+tokenized whole. Each run of image tokens (an image, or a SmolVLM tile) becomes one ImageInput.
 
 Image parts come in the shapes the APIs and the Python API use: OpenAI's `{"type": "image_url",
 "image_url": {"url": "data:..."}}`, the Responses API's `{"type": "input_image", "image_url": ...}`,
@@ -12,6 +13,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from .gemma3 import Gemma3Vision
+from .idefics3 import Idefics3Vision
 from .images import load_image
 from .inputs import ImageInput, pixel_digest
 
@@ -67,7 +69,8 @@ def image_source(part: dict, where: str) -> Any:
     return source
 
 
-def chat_prompt(vision: Gemma3Vision, template, tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+def chat_prompt(vision: "Gemma3Vision | Idefics3Vision", template, tokenizer, messages: list[dict],
+                add_generation_prompt: bool = True,
                 **template_kwargs: Any) -> tuple[str, list[int], list[ImageInput]]:
     """(text, token ids, images) of a conversation; InvalidRequestError naming the part at fault."""
     if not isinstance(messages, list):
@@ -96,22 +99,25 @@ def chat_prompt(vision: Gemma3Vision, template, tokenizer, messages: list[dict],
             message = {**message, "content": parts}
         rendered.append(message)
     text = template.render(rendered, add_generation_prompt=add_generation_prompt, **template_kwargs)
-    tokens = vision.tokens
-    if text.count(tokens.boi) != len(pil_images):
-        raise InvalidRequestError(f"the prompt has {text.count(tokens.boi)} {tokens.boi} markers for "
+    marker = vision.marker
+    pieces = text.split(marker)
+    if len(pieces) - 1 != len(pil_images):
+        raise InvalidRequestError(f"the prompt has {len(pieces) - 1} {marker} markers for "
                                   f"{len(pil_images)} images (the chat template writes one per image part; the "
                                   f"text itself must not contain it)", param="messages")
-    text = text.replace(tokens.boi, tokens.full_sequence)
+    expanded = [vision.expand(image) for image in pil_images]  # (its text, the pixels of each of its runs)
+    text = pieces[0] + "".join(sequence + piece for (sequence, _), piece in zip(expanded, pieces[1:]))
     bos = tokenizer.bos_token
     ids = tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
-    runs = image_runs(ids, tokens.image_id)
-    if len(runs) != len(pil_images) or any(length != tokens.per_image for _, length in runs):
-        raise InvalidRequestError(f"the prompt's text holds {tokens.image} tokens of its own; it must not",
-                                  param="messages")
-    images = []
-    for (offset, length), image in zip(runs, pil_images):
-        pixels = vision.processor(image)
-        images.append(ImageInput(offset, length, pixel_digest(pixels), pixels))
+    runs = image_runs(ids, vision.image_id)
+    tiles = [(k, pixels) for _, all_pixels in expanded for k, pixels in enumerate(all_pixels)]
+    tokens_of = getattr(vision, "tokens_of", lambda pixels: vision.run_length)  # Qwen2.5-VL's vary by image
+    grid_of = getattr(vision, "grid_of", lambda pixels: None)  # M-RoPE positions (Qwen2.5-VL)
+    if len(runs) != len(tiles) or any(length != tokens_of(pixels) for (_, length), (_, pixels) in zip(runs, tiles)):
+        raise InvalidRequestError(f"the prompt's text holds {tokenizer.id_to_token(vision.image_id)} tokens of its own; "
+                                  f"it must not", param="messages")
+    images = [ImageInput(offset, length, pixel_digest(pixels), pixels, vision.bidirectional, k, grid_of(pixels))
+              for (offset, length), (k, pixels) in zip(runs, tiles)]
     return text, ids, images
 
 

@@ -86,12 +86,16 @@ class SiglipVisionTower(nn.Module):
                 name = f"encoder.layers.{i}.{proj}"
                 self.linears[name] = make(self.w.pop(name + ".weight"), self.w.pop(name + ".bias"))
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[N, 3, H, W] float32 pixel values -> [N, patches, hidden] (after the final LayerNorm)."""
+    def forward(self, pixels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, 3, H, W] float32 pixel values -> [N, patches, hidden] (after the final LayerNorm).
+        `position_ids` [patches]: which position embedding each patch takes (default: its index)."""
         cfg, w = self.cfg, self.w
         x = F.conv2d(pixels.float(), w["embeddings.patch_embedding.weight"], w["embeddings.patch_embedding.bias"],
                      stride=cfg.patch_size)  # [N, hidden, side, side]
-        x = x.flatten(2).transpose(1, 2) + w["embeddings.position_embedding.weight"]  # [N, patches, hidden]
+        positions = w["embeddings.position_embedding.weight"]
+        if position_ids is not None:
+            positions = positions[position_ids]
+        x = x.flatten(2).transpose(1, 2) + positions  # [N, patches, hidden]
         n, t, h = x.shape
         heads, head_dim = cfg.num_heads, h // cfg.num_heads
         for i in range(cfg.num_layers):
