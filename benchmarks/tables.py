@@ -346,6 +346,22 @@ def batch_invariance(files: dict) -> list[str]:
     return lines
 
 
+def arm_mca(files: dict) -> list[str]:
+    """Batch 1, cycles per 256 weights: our arm tiles against llama.cpp's vec_dot loops (a model)."""
+    name = "arm_mca.json"
+    d = files[name]
+    cpus = ("apple-m1", "neoverse-v2")
+    ours = {l["format"]: l["cpus"] for l in d["loops"] if l["activation_rows"] == 1}
+    lines = ["| format | " + " | ".join(f"{c}: ours / llama.cpp" for c in cpus) + " |",
+             "| --- | " + "--- | " * len(cpus)]
+    for loop in d["llamacpp"]["loops"]:
+        theirs, f = loop["cpus"], loop["format"]
+        cells = [f"{ours[f][c]['cycles_per_256_weights_per_row']:.1f} / {theirs[c]['cycles_per_256_weights_per_row']:.1f}"
+                 for c in cpus]
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def recurrent_step(files: dict) -> list[str]:
     name = "recurrent_spec_step.json"
     lines = ["| model | drafts | plain step ms | verifying step ms | ratio | rounds | host | commit |",
@@ -459,7 +475,7 @@ def agent_turns(files: dict) -> list[str]:
 
 GENERATORS = {
     "headline": headline, "speed": speed, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
-    "recurrent_step": recurrent_step, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
+    "recurrent_step": recurrent_step, "arm_mca": arm_mca, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,
     "embeddings": embeddings, "agent_turns": agent_turns,
