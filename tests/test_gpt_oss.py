@@ -1,0 +1,187 @@
+"""gpt-oss (models/gpt_oss.py, added through formats/families.py) end to end against transformers'
+GptOssForCausalLM on its torch path, on the same random weights, from the Hugging Face folder and from
+llama.cpp's converter's GGUF (F32). The tiny model's window is 16 tokens and its prompts 40 to 180, so
+that the sliding layers' window, the sinks, YaRN (untruncated, as gpt-oss's config says), the biased
+router and the clamped SwiGLU all show in the logits; the engine's behaviours (n-gram speculation, a
+chunked-prefill budget of 7, batching, the prefix cache) must give the tokens of a request alone."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tiny_recurrent import (GREEDY, TEXT, VOCAB, assert_greedy_matches, load_reference, logits_error, make_llm,
+                            save_random_model)
+
+from wallbreaker import LLM, SamplingParams
+
+WINDOW = 16
+BLOCK = 4  # KV block size where the prefix cache is hit
+
+
+def gpt_oss_config(**changes):
+    """Four layers (sliding, full, sliding, full), 4 heads on 2 KV heads, 4 experts of which 2 a token,
+    YaRN (factor 8 over 512 positions, untruncated as gpt-oss's own config)."""
+    from transformers import GptOssConfig
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+              max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 512, "rope_theta": 150000.0})
+    return GptOssConfig(**{**kw, **changes})
+
+
+def save_tiny_gpt_oss(out):
+    """The tiny model's folder, its sinks (about 0.02 as initialized) moved to logits of about 2 and its
+    router's and experts' biases away from 0, so that each of them shows in the logits."""
+    from safetensors.torch import load_file, save_file
+    save_random_model(gpt_oss_config(), out)
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if name.endswith(("sinks", "router.bias", "_proj_bias")):
+            scale = 2.0 if name.endswith("sinks") else 0.5
+            tensors[name] = t + torch.randn(t.shape, generator=g) * scale
+    save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss") / "hf")
+
+
+@pytest.fixture(scope="module")
+def gguf(folder, llamacpp_converter):
+    from llamacpp_converter import convert
+    return convert(llamacpp_converter, folder, "f32", folder.parent / "gpt-oss-f32.gguf")
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    model = load_reference(folder)
+    assert model.model.layers[0].self_attn.sinks.abs().max() > 1  # a sink that shows
+    return model
+
+
+def long_prompts(llm: LLM) -> list[list[int]]:
+    """Prompts longer than the window: 40, 57 and 177 tokens, and one that repeats itself."""
+    ids = llm.tokenizer.encode(TEXT * 3)
+    return [ids[:40], ids[20:77], ids, ids[:9] * 5]
+
+
+def greedy_of(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def test_the_config_is_read_as_gpt_oss(folder):
+    from wallbreaker.formats.hf_model import read_hf_folder
+    c = read_hf_folder(folder).config
+    assert c.architecture == "gpt-oss" and c.layer_types == ("sliding", "full", "sliding", "full")
+    assert c.sliding_window == WINDOW and c.qkv_bias and (c.num_experts, c.num_experts_per_tok) == (4, 2)
+    assert c.rope_scaling.kind == "yarn" and not c.rope_scaling.truncate
+
+
+@pytest.mark.parametrize("source,invariant", [("hf", True), ("gguf", True), ("hf", False)])
+def test_matches_transformers(folder, gguf, reference, source, invariant):
+    """Teacher-forced logits over 177 tokens and 12 greedy tokens after each long prompt. Batch-invariant
+    (the default) prompts go through `_prefill_invariant`, else through `_prefill`; generated tokens
+    through the paged kernel either way."""
+    llm = make_llm(gguf if source == "gguf" else folder, batch_invariant=invariant)
+    prompts = long_prompts(llm)
+    assert logits_error(llm, reference, prompts[2]) < 1e-4
+    for prompt, out in zip(prompts, greedy_of(llm, prompts)):
+        assert len(out) == 12
+        assert_greedy_matches(reference, prompt, out)
+
+
+def test_gguf_config_is_the_folders(folder, gguf):
+    from wallbreaker.formats.gguf_model import read_gguf_model
+    from wallbreaker.formats.hf_model import read_hf_folder
+    hf, gg = read_hf_folder(folder).config, read_gguf_model(gguf).config
+    assert gg.rms_norm_eps == pytest.approx(hf.rms_norm_eps)  # a float32 epsilon in the GGUF
+    assert dataclasses.replace(gg, rms_norm_eps=hf.rms_norm_eps) == hf
+
+
+@pytest.fixture(scope="module")
+def plain(folder) -> LLM:
+    return make_llm(folder, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def few(plain) -> SamplingParams:
+    """Greedy among four tokens, so that the output repeats and n-grams are sometimes right."""
+    return dataclasses.replace(GREEDY, allowed_token_ids=plain.tokenizer.encode(" the quick brown fox"))
+
+
+def test_engine_behaviours_give_the_tokens_of_each_prompt_alone(folder, plain, few):
+    """Batched, a chunked-prefill budget of 7, n-gram speculation (with and without that budget),
+    and after a prefix-cache hit: each prompt's tokens are those it gets alone, without a cache."""
+    prompts = long_prompts(plain)
+    for params in (GREEDY, few):
+        alone = [greedy_of(plain, [p], params)[0] for p in prompts]
+        assert greedy_of(make_llm(folder), prompts, params) == alone
+        assert greedy_of(make_llm(folder, max_num_batched_tokens=7), prompts, params) == alone
+        for budget in ({}, {"max_num_batched_tokens": 7}):
+            spec = make_llm(folder, speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False,
+                            **budget)
+            assert greedy_of(spec, prompts, params) == alone
+        cached = make_llm(folder, kv_block_size=BLOCK)
+        for prompt, want in zip(prompts, alone):
+            first, again = (cached.generate([{"prompt_token_ids": prompt}], params)[0] for _ in range(2))
+            assert first.outputs[0].token_ids == again.outputs[0].token_ids == want
+            assert again.metrics["num_cached_prompt_tokens"] >= len(prompt) - BLOCK
+
+
+def test_sinks_in_the_paged_kernel_match_the_prefill_path(folder):
+    """Every token through the paged kernel (chunks of 1) and every prompt through SDPA (one chunk)
+    give the same logits: the sink is the same extra key in both."""
+    llm = make_llm(folder)
+    ids = long_prompts(llm)[2]
+    full = llm.logits(ids)
+    assert (llm.logits(ids, chunk_size=1) - full).abs().max().item() < 1e-4
+    assert (llm.logits(ids, chunk_size=7) - full).abs().max().item() < 1e-4
+
+
+def test_refuses_another_swiglu(tmp_path, folder):
+    import json
+    import shutil
+
+    from wallbreaker.errors import UnsupportedModelError
+    bad = tmp_path / "hf"
+    shutil.copytree(folder, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "swiglu_limit": 5.0}))
+    with pytest.raises(UnsupportedModelError, match="swiglu_limit"):
+        LLM(str(bad))
+
+
+def test_clamped_swiglu_is_transformers():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from wallbreaker.models.gpt_oss import clamped_swiglu
+    x = torch.randn(5, 16) * 6
+    experts = GptOssExperts(GptOssConfig(hidden_size=8, intermediate_size=8, num_local_experts=1))
+    expected = experts._apply_gate(x)  # interleaved gate, up
+    ours = clamped_swiglu(torch.cat([x[:, ::2], x[:, 1::2]], dim=1))
+    assert torch.allclose(ours, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_both_prefill_paths_take_the_sink_as_the_kernel_does(dtype, tolerance, window):
+    """layers/attention.py's SDPA paths (`_prefill`, `_prefill_invariant`) with sinks over a span with a
+    cached prefix, against the float64 reference of tests/test_attention_kernel.py."""
+    from test_attention_kernel import paged_case, reference
+
+    from wallbreaker.layers.attention import LayerKV, PrefillSpan, _prefill, _prefill_invariant
+    q, k, v, tables, qs, lens, bs = paged_case(8, 2, 32, lens=(70,), queries=(45,))
+    sinks = torch.linspace(-4.0, 4.0, 8)
+    want = reference(q, k.to(dtype).float(), v.to(dtype).float(), tables, qs, lens, bs, 32 ** -0.5, window or 0,
+                     sinks=sinks)
+    kv, span = LayerKV(k.to(dtype), v.to(dtype)), PrefillSpan(0, 45, 70, tables[0])
+    for prefill in (_prefill, _prefill_invariant):
+        got = prefill(q, kv, span, 32 ** -0.5, window, bs, None, sinks)
+        assert (got.double() - want).abs().max() < tolerance, prefill.__name__
