@@ -318,3 +318,17 @@ def test_a_tool_result_renders_as_openai_harmony(chat_llm):
                 h.Message.from_author_and_content(h.Author.new(h.Role.TOOL, "functions.get_weather"), "sunny")
                 .with_channel("commentary").with_recipient("assistant")]
     assert ours == harmony_prompt(expected, tools=TOOLS)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])  # auto: the Q8_0 blocks (the experts' too) run by our kernels
+def test_q8_0_gguf_loads_and_generates(folder, llamacpp_converter, reference, dtype):
+    from llamacpp_converter import convert
+    llm = make_llm(convert(llamacpp_converter, folder, "q8_0", folder.parent / "gpt-oss-q8_0.gguf"), dtype=dtype)
+    prompts = long_prompts(llm)
+    assert logits_error(llm, reference, prompts[2]) < 0.05  # Q8_0 rounding of the projections, not a wrong model
+    assert [len(t) for t in greedy_of(llm, prompts)] == [12] * len(prompts)
+
+
+def test_tensor_parallelism_is_refused(folder):
+    with pytest.raises(Exception, match="tensor parallelism"):
+        LLM(str(folder), tensor_parallel_size=2)
