@@ -332,3 +332,51 @@ def test_q8_0_gguf_loads_and_generates(folder, llamacpp_converter, reference, dt
 def test_tensor_parallelism_is_refused(folder):
     with pytest.raises(Exception, match="tensor parallelism"):
         LLM(str(folder), tensor_parallel_size=2)
+
+
+# -- MXFP4 experts, as OpenAI's checkpoints store them --------------------------------------------
+@pytest.fixture(scope="module")
+def mxfp4_folder(folder):
+    """The tiny folder with its experts in OpenAI's MXFP4 form (`*_blocks` [experts, out, in / 32, 16],
+    `*_scales` [experts, out, in / 32], random: scales 2**-6 to 2**-2) and its quantization_config."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    out = folder.parent / "mxfp4"
+    if (out / "config.json").is_file():
+        return out
+    shutil.copytree(folder, out)
+    tensors = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cin, cout = tensors.pop(name).shape  # transformers' [experts, in, out]
+        tensors[name + "_blocks"] = torch.randint(0, 256, (experts, cout, cin // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[name + "_scales"] = torch.randint(121, 126, (experts, cout, cin // 32), generator=g, dtype=torch.uint8)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_mxfp4_experts_match_transformers(mxfp4_folder, llamacpp_converter, source):
+    """OpenAI's MXFP4 folder (dequantized at load, as transformers' Mxfp4Config(dequantize=True) does on
+    the CPU) and llama.cpp's converter's GGUF of it (its experts MXFP4 blocks): logits within 1e-4 of
+    transformers', greedy tokens equal."""
+    from llamacpp_converter import convert
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    reference = AutoModelForCausalLM.from_pretrained(mxfp4_folder, dtype=torch.float32,
+                                                     quantization_config=Mxfp4Config(dequantize=True)).eval()
+    path = mxfp4_folder if source == "hf" else convert(llamacpp_converter, mxfp4_folder, "f32",
+                                                       mxfp4_folder.parent / "gpt-oss-mxfp4.gguf")
+    if source == "gguf":
+        from wallbreaker.formats.gguf_model import read_gguf_model
+        assert read_gguf_model(path).weights["blk.0.ffn_gate_exps.weight"].stored_type == "MXFP4"
+    llm = make_llm(path)
+    prompts = long_prompts(llm)
+    assert logits_error(llm, reference, prompts[2]) < 1e-4
+    for prompt, out in zip(prompts, greedy_of(llm, prompts)):
+        assert_greedy_matches(reference, prompt, out)

@@ -7,7 +7,10 @@ head in the softmax's denominator), `post_attention_norm` before the experts, a 
 (`ffn_gate_inp.weight`, `.bias`), and experts `ffn_{gate,up}_exps.weight` [experts, ff, hidden],
 `ffn_down_exps.weight` [experts, hidden, ff], each with a bias [experts, out]. A folder stores gate and
 up fused and interleaved (`gate_up_proj` [experts, hidden, 2 ff], gate in the even columns) and the
-down projection transposed; they are brought to the converter's form here, expert by expert.
+down projection transposed; they are brought to the converter's form here, expert by expert. OpenAI's
+checkpoints store the experts as MXFP4 (`*_blocks` [experts, out, in / 32, 16] uint8, two e2m1 values a
+byte, low nibble first, and `*_scales` [experts, out, in / 32] e8m0): those are dequantized to float
+here, expert by expert (as the GGUF reader dequantizes llama.cpp's MXFP4 blocks).
 
 Layers alternate sliding-window (even) and full attention; the RoPE is YaRN, which gpt-oss runs
 without truncating the ramp's bounds (config.json `truncate: false`): a GGUF carries neither the
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig, RopeScaling, short_repr
+from ..errors import ModelFormatError
 from .config_keys import GGUFKeys, layer_types, unsupported
 from .weights import WeightRef, stacked_experts
 
@@ -33,6 +37,9 @@ def hf_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     for key, value in (("swiglu_alpha", SWIGLU_ALPHA), ("swiglu_limit", SWIGLU_LIMIT)):
         if hf.get(key, value) != value:
             raise unsupported(where, f"{key} {short_repr(hf[key])} (gpt-oss's is {value}, as llama.cpp fixes it)")
+    quant = hf.get("quantization_config")
+    if quant is not None and not (isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"):
+        raise unsupported(where, f"quantization_config {short_repr(quant)} (gpt-oss's own is MXFP4 experts)")
     return dict(num_experts=hf.get("num_local_experts"), num_experts_per_tok=hf.get("num_experts_per_tok"),
                 sliding_window=hf.get("sliding_window", 128),
                 layer_types=layer_types(hf, hf.get("num_hidden_layers"), where, "alternate"))
@@ -67,6 +74,9 @@ def hf_tensor_names(num_layers: int) -> dict[str, str]:
                  "mlp.experts.gate_up_proj": "ffn_gate_up_exps.weight",
                  "mlp.experts.gate_up_proj_bias": "ffn_gate_up_exps.bias",
                  "mlp.experts.down_proj": "ffn_down_exps.weight", "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
+    for part, name in (("gate_up_proj", "ffn_gate_up_exps"), ("down_proj", "ffn_down_exps")):  # MXFP4
+        per_layer[f"mlp.experts.{part}_blocks"] = f"{name}.blocks"
+        per_layer[f"mlp.experts.{part}_scales"] = f"{name}.scales"
     for x, y in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")):
         per_layer[f"self_attn.{x}_proj.weight"] = f"attn_{y}.weight"
         per_layer[f"self_attn.{x}_proj.bias"] = f"attn_{y}.bias"
@@ -88,11 +98,50 @@ def _half(ref: WeightRef, name: str, fn) -> WeightRef:
     return WeightRef(name, shape, ref.stored_type, ref.nbytes // 2, lambda: fn(ref.load()).contiguous())
 
 
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4: blocks [rows, groups, 16] uint8 (value 2j in byte j's low nibble, 2j + 1 in its
+    high one), scales [rows, groups] (2 ** (s - 127)) -> [rows, groups * 32] float32."""
+    blocks = blocks.to(torch.uint8)  # a loader may hand the bytes over as floats (exactly)
+    values = torch.stack([_FP4[(blocks & 0x0F).long()], _FP4[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    return torch.ldexp(values, scales.to(torch.int32)[..., None] - 127).flatten(-2)
+
+
+def _mxfp4_experts(source: str, weights: dict[str, WeightRef], name: str) -> WeightRef | None:
+    """`name`'s MXFP4 blocks and scales, if the folder has them, as one float [experts, out, in] ref."""
+    blocks, scales = weights.pop(name + ".blocks", None), weights.pop(name + ".scales", None)
+    if blocks is None and scales is None:
+        return None
+    if blocks is None or scales is None or len(blocks.shape) != 4 or tuple(blocks.shape[:3]) != tuple(scales.shape) \
+            or blocks.shape[3] != 16:
+        raise ModelFormatError(f"{source}: {name}: MXFP4 blocks [experts, out, in / 32, 16] and their scales "
+                               f"[experts, out, in / 32] must come together")
+    e, rows, groups = blocks.shape[:3]
+
+    def expert(i: int) -> WeightRef:
+        return WeightRef(f"{name}[{i}]", (rows, groups * 32), "MXFP4", blocks.nbytes // e + scales.nbytes // e,
+                         lambda: mxfp4_rows(blocks.load_slice(0, i, i + 1)[0], scales.load_slice(0, i, i + 1)[0]))
+    return stacked_experts(name, [expert(i) for i in range(e)])
+
+
 def canonical_hf_weights(source: str, cfg: ModelConfig, weights: dict[str, WeightRef]) -> None:
     """A folder's experts in place as the converter writes them: gate and up split from the
-    interleaved `gate_up_proj` [experts, hidden, 2 ff] and transposed, `down_proj` transposed."""
+    interleaved `gate_up_proj` [experts, hidden, 2 ff] and transposed, `down_proj` transposed; or,
+    stored as MXFP4, dequantized ([experts, out, in] already: gate and up interleaved rows)."""
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
+        packed = _mxfp4_experts(source, weights, p + "ffn_gate_up_exps")
+        if packed is not None:
+            for part, rows in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+                name = f"{p}ffn_{part}_exps.weight"
+                weights[name] = stacked_experts(name, [
+                    WeightRef(f"{name}[{e}]", (x.shape[0] // 2, x.shape[1]), x.stored_type, x.nbytes // 2,
+                              lambda x=x, r=rows: x.load()[r].contiguous()) for e, x in enumerate(packed.experts)])
+        packed = _mxfp4_experts(source, weights, p + "ffn_down_exps")
+        if packed is not None:
+            weights[p + "ffn_down_exps.weight"] = packed
         gate_up = weights.pop(p + "ffn_gate_up_exps.weight", None)
         if gate_up is not None and len(gate_up.shape) == 3:
             for part, cols in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
