@@ -380,3 +380,30 @@ def test_mxfp4_experts_match_transformers(mxfp4_folder, llamacpp_converter, sour
     assert logits_error(llm, reference, prompts[2]) < 1e-4
     for prompt, out in zip(prompts, greedy_of(llm, prompts)):
         assert_greedy_matches(reference, prompt, out)
+
+
+def test_sinks_over_int8_pages_with_offsets_are_the_dequantized_attention():
+    """int8 pages of K far from zero (a K bias: the page stands for page * scale + offset, and the
+    offset is left out of SDPA's keys): the paged kernel and both SDPA paths give attention with sinks
+    over the dequantized K and V."""
+    from test_attention_kernel import paged_case, reference
+
+    from wallbreaker import _C
+    from wallbreaker.layers.attention import LayerKV, PrefillSpan, _prefill, _prefill_invariant
+    q, k, v, tables, qs, lens, bs = paged_case(8, 2, 32, lens=(70,), queries=(45,))
+    g = torch.Generator().manual_seed(5)
+    offsets = {"k": torch.randn(2, 32, generator=g) * 8, "v": torch.randn(2, 32, generator=g)}
+    pages, scales, dequantized = {}, {}, {}
+    for name, x in (("k", k + offsets["k"][:, None]), ("v", v + offsets["v"][:, None])):
+        rest = x - offsets[name][:, None]
+        scales[name] = rest.abs().amax(-1) / 127  # [kv_heads, slots]
+        pages[name] = (rest / scales[name][..., None]).round().to(torch.int8)
+        dequantized[name] = pages[name].float() * scales[name][..., None] + offsets[name][:, None]
+    sinks, scale = torch.linspace(-4.0, 4.0, 8), 32 ** -0.5
+    want = reference(q, dequantized["k"], dequantized["v"], tables, qs, lens, bs, scale, sinks=sinks)
+    kv = LayerKV(pages["k"], pages["v"], scales["k"], scales["v"], offsets["k"], offsets["v"])
+    got = _C.paged_attention(q, *kv, tables, qs, lens, bs, scale, 0, 0.0, sinks)
+    assert (got.double() - want).abs().max() < 1e-4
+    for prefill in (_prefill, _prefill_invariant):  # K and V as bfloat16 (page * scale) there
+        got = prefill(q, kv, PrefillSpan(0, 45, 70, tables[0]), scale, None, bs, None, sinks)
+        assert (got.double() - want).abs().max() < 3e-2, prefill.__name__

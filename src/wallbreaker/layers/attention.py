@@ -112,24 +112,40 @@ def _paged(q, kv: LayerKV, meta: AttentionMetadata, scale, sliding_window, softc
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def _with_sink(q, k, v, sinks: torch.Tensor, scale: float):
+def _with_sink(q, k, v, sinks: torch.Tensor, scale: float, shift: torch.Tensor | None = None):
     """The sink as one more key, first, for SDPA: q [1, heads, L, D], k and v [1, kv_heads, ctx, D] ->
     q' [1, heads, L, D + 2] = [q, hi, lo] where hi + lo = sink / scale (lo what q's dtype rounds off hi:
     a bfloat16 query keeps the sink to float32's precision), k' [1, kv_heads, ctx + 1, D + 2] with the
     sink's key (0, ..., 0, 1, 1) first and the others' extra channels 0, v' likewise with a zero row
-    first (one head size for all three, as the flash kernel wants; the output's extra channels are 0
-    and are dropped). So every real score is q . k exactly (plus 0) and the sink's is the head's own
+    first (one head size for all three, as the flash kernel wants) and its last extra channel 1 for the
+    real keys: the output's last channel is the real keys' share of the weights, which V's offset is
+    scaled by (`_output`). So every real score is q . k exactly (plus 0) and the sink's is the head's own
     logit, whichever KV head it shares; its value adds nothing. The mask gets a leading column that is
-    always true (`_sink_column`)."""
-    logit = sinks.to(torch.float32) / scale  # [heads]
+    always true (`_sink_column`). `shift` [1, heads, L, 1]: q . k_offset, what quantized pages' offsets
+    (left out of k) add to each real score, taken from the sink's instead, so that the two still differ
+    by what they should."""
+    logit = (sinks.to(torch.float32) / scale).view(1, -1, 1, 1).expand(*q.shape[:3], 1)  # [1, heads, L, 1]
+    if shift is not None:
+        logit = logit - shift
     hi = logit.to(q.dtype)
     lo = (logit - hi.float()).to(q.dtype)
-    extra = torch.stack([hi, lo], dim=-1).view(1, -1, 1, 2).expand(*q.shape[:3], 2)
+    extra = torch.cat([hi, lo], dim=-1)  # [1, heads, L, 2]
     q = torch.cat([q, extra], dim=-1)
     k = F.pad(F.pad(k, (0, 2)), (0, 0, 1, 0))  # [1, kv_heads, ctx + 1, D + 2]
     k[:, :, 0, -2:] = 1
     v = F.pad(v, (0, 2, 1, 0))  # [1, kv_heads, ctx + 1, D + 2]
+    v[:, :, 1:, -1] = 1
     return q, k, v
+
+
+def _output(out: torch.Tensor, kv: LayerKV, heads: int) -> torch.Tensor:
+    """[L, heads, D (+ 2 with a sink)] -> [L, heads, D]: V's offset added (the weights sum to 1, or with a
+    sink to the real keys' share, its output's last channel), a sink's channels dropped."""
+    d = kv.v.shape[-1]
+    if kv.v_offset is None:
+        return out[..., :d]
+    share = out[..., -1:].float() if out.shape[-1] > d else 1.0
+    return out[..., :d].float() + share * _per_query_head(kv.v_offset, heads)
 
 
 def _sink_column(mask: torch.Tensor) -> torch.Tensor:
@@ -167,12 +183,12 @@ def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_siz
     v = _gathered(kv.v, kv.v_scale, slots)[None]
     heads = q.shape[1]
     shift = None  # [1, heads, L, 1]: q . k_offset, from the float32 queries
-    if softcap is not None and kv.k_offset is not None:
+    if (softcap is not None or sinks is not None) and kv.k_offset is not None:
         shift = (q * _per_query_head(kv.k_offset, heads)).sum(-1).T[None, :, :, None]
     q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
     fresh = span.context_len == span.length
     if sinks is not None:
-        q, k, v = _with_sink(q, k, v, sinks, scale)
+        q, k, v = _with_sink(q, k, v, sinks, scale, shift)
     if softcap is None and sinks is None and fresh and not span.bidirectional and (
             sliding_window is None or span.context_len <= sliding_window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -188,8 +204,7 @@ def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_siz
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             out = _softcapped(q, k, v, mask, scale, softcap, shift)
-    out = out[0].transpose(0, 1)[..., :kv.v.shape[-1]]  # less a sink's channels
-    return out if kv.v_offset is None else out.float() + _per_query_head(kv.v_offset, heads)
+    return _output(out[0].transpose(0, 1), kv, heads)
 
 
 def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None,
@@ -206,11 +221,11 @@ def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window,
     v = F.pad(_gathered(kv.v, kv.v_scale, slots), (0, 0, 0, keys - ctx - sink))[None]
     rows = -(-length // INVARIANT_QUERIES) * INVARIANT_QUERIES
     shift = None  # [1, heads, rows, 1]: q . k_offset, from the float32 queries
-    if softcap is not None and kv.k_offset is not None:
+    if (softcap is not None or sinks is not None) and kv.k_offset is not None:
         shift = F.pad((q * _per_query_head(kv.k_offset, heads)).sum(-1).T, (0, rows - length))[None, :, :, None]
     q = F.pad(q.transpose(0, 1).to(k.dtype), (0, 0, 0, rows - length))[None]  # [1, heads, rows, head_dim]
     if sinks is not None:
-        q, k, v = _with_sink(q, k, v, sinks, scale)
+        q, k, v = _with_sink(q, k, v, sinks, scale, shift)
     query_pos = torch.arange(ctx - length, ctx - length + rows, device=q.device).clamp(max=ctx - 1)[:, None]
     key_pos = torch.arange(keys - sink, device=q.device)[None, :]
     mask = _causal(query_pos, key_pos, span.bidirectional)  # [rows, keys - sink]
@@ -233,8 +248,7 @@ def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window,
         else:
             parts.append(_softcapped(q[:, :, sub], k, v, mask[sub], scale, softcap,
                                      None if shift is None else shift[:, :, sub]))
-    out = torch.cat(parts, dim=2)[0, :, :length, :kv.v.shape[-1]].transpose(0, 1)
-    return out if kv.v_offset is None else out.float() + _per_query_head(kv.v_offset, heads)
+    return _output(torch.cat(parts, dim=2)[0, :, :length].transpose(0, 1), kv, heads)
 
 
 def _causal(query_pos: torch.Tensor, key_pos: torch.Tensor, blocks: tuple[tuple[int, int], ...]) -> torch.Tensor:
