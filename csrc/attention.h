@@ -29,6 +29,8 @@ struct AttnArgs {
   float scale;
   int64_t window;  // a query at position p sees keys p - window < key <= p; 0: no window
   float softcap;   // scores -> softcap * tanh(score / softcap); 0: none
+  const float* sinks;  // [H] gpt-oss's attention sinks: one more score per query head, of a key whose value
+                       // is zero (it joins the softmax's denominator only); nullptr: none
   int64_t query_parts;  // work items per (sequence, KV head): part p takes query blocks p, p + parts, ...
 };
 

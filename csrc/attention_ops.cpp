@@ -25,13 +25,15 @@ int kv_type_of(const torch::Tensor& cache) {
 
 // q [T, H, D] float32; k_cache, v_cache [KVH, S, D]; scales [KVH, S] float32 for int8/fp8 pages,
 // and optionally offsets [KVH, D] float32 (a row then stands for page * scale + offset);
-// block_tables [N, W] int32; query_start [N + 1] int32; context_lens [N] int32. Returns [T, H, D].
+// block_tables [N, W] int32; query_start [N + 1] int32; context_lens [N] int32; sinks [H] float32
+// or none (gpt-oss: a score per query head in the softmax's denominator). Returns [T, H, D].
 torch::Tensor paged_attention(const torch::Tensor& q_in, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
                               const c10::optional<torch::Tensor>& k_offset,
                               const c10::optional<torch::Tensor>& v_offset, const torch::Tensor& block_tables,
                               const torch::Tensor& query_start, const torch::Tensor& context_lens, int64_t block_size,
-                              double scale, int64_t window, double softcap) {
+                              double scale, int64_t window, double softcap,
+                              const c10::optional<torch::Tensor>& sinks) {
   auto q = q_in.to(torch::kFloat).contiguous();
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q [T, H, D], caches [KVH, S, D]");
@@ -53,6 +55,9 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const torch::Tensor& k_
   const int64_t N = context_lens.size(0);
   TORCH_CHECK(query_start.size(0) == N + 1 && block_tables.dim() == 2 && block_tables.size(0) == N,
               "paged_attention: one table row, context length and query range per sequence");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == torch::kFloat && sinks->is_contiguous() &&
+                                      sinks->dim() == 1 && sinks->size(0) == H),
+              "paged_attention: sinks must be float32 [H]");
   auto out = torch::empty_like(q);
   wb::AttnArgs a{};
   a.q = q.data_ptr<float>();
@@ -76,6 +81,7 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const torch::Tensor& k_
   a.scale = (float)scale;
   a.window = window;
   a.softcap = (float)softcap;
+  a.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   wb::AttnFn fn = wb_kernel_level() >= 1 && D % 8 == 0 && wb_attention_avx2() ? wb_attention_avx2()
                                                                                 : wb_attention_generic();
   // Few (sequence, KV head) pairs for the threads (one long prefill chunk): each pair's query

@@ -420,7 +420,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of a few queries a sequence over paged K/V",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
         py::arg("k_offset"), py::arg("v_offset"), py::arg("block_tables"), py::arg("query_start"),
-        py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("softcap"));
+        py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
+        py::arg("sinks") = py::none());
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta; rms_norm(x) * w", py::arg("x"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
   m.def("gated_act", &gated_act, "act(gate) * up of a fused [rows, 2 I] projection", py::arg("gate_up"),

@@ -18,7 +18,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
                               const c10::optional<torch::Tensor>& k_offset,
                               const c10::optional<torch::Tensor>& v_offset, const torch::Tensor& block_tables,
                               const torch::Tensor& query_start, const torch::Tensor& context_lens, int64_t block_size,
-                              double scale, int64_t window, double softcap);
+                              double scale, int64_t window, double softcap,
+                              const c10::optional<torch::Tensor>& sinks = c10::nullopt);
 
 // recurrent_ops.cpp
 torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x, torch::Tensor B,

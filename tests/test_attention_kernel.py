@@ -17,8 +17,9 @@ def level(request):
     kernels.set_isa(None)
 
 
-def reference(q, k, v, tables, query_start, lens, block_size, scale, window=0, softcap=0.0):
-    """float64: query i of sequence n (position p = len - nq + i) sees keys max(0, p - window + 1)..p."""
+def reference(q, k, v, tables, query_start, lens, block_size, scale, window=0, softcap=0.0, sinks=None):
+    """float64: query i of sequence n (position p = len - nq + i) sees keys max(0, p - window + 1)..p;
+    `sinks` [H]: one more score per head, of a zero value (gpt-oss's attention sinks)."""
     T, H, D = q.shape
     G = H // k.shape[0]
     out = torch.zeros(T, H, D, dtype=torch.float64)
@@ -33,7 +34,10 @@ def reference(q, k, v, tables, query_start, lens, block_size, scale, window=0, s
                 s = K[h // G, lo:p + 1] @ q[q0 + i, h].double() * scale
                 if softcap:
                     s = softcap * torch.tanh(s / softcap)
-                out[q0 + i, h] = s.softmax(0) @ V[h // G, lo:p + 1]
+                if sinks is not None:
+                    s = torch.cat([s, sinks[h:h + 1].double()])
+                w = s.softmax(0)
+                out[q0 + i, h] = w[:p + 1 - lo] @ V[h // G, lo:p + 1]
     return out
 
 
@@ -65,6 +69,23 @@ def test_paged_attention_matches_dense_attention(level, dtype, window, softcap, 
     want = reference(q, k.float(), v.float(), tables, qs, lens, bs, scale, window, softcap)
     # float32 accumulation over at most 70 keys of unit-variance products: well under 1e-5
     assert (got.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("heads", [(8, 2, 32), (9, 3, 64), (4, 4, 16)])
+def test_sinks_join_the_softmax_as_a_key_of_zero_value(level, dtype, window, heads):
+    """gpt-oss's sinks: some far above every score (the sink takes nearly all the weight), some far
+    below (none), some among them."""
+    q, k, v, tables, qs, lens, bs = paged_case(*heads)
+    k, v = k.to(dtype), v.to(dtype)
+    scale = heads[2] ** -0.5
+    sinks = torch.linspace(-30.0, 30.0, heads[0])
+    got = _C.paged_attention(q, k, v, None, None, None, None, tables, qs, lens, bs, scale, window, 0.0, sinks)
+    want = reference(q, k.float(), v.float(), tables, qs, lens, bs, scale, window, sinks=sinks)
+    assert (got.double() - want).abs().max() < 1e-5
+    plain = _C.paged_attention(q, k, v, None, None, None, None, tables, qs, lens, bs, scale, window, 0.0)
+    assert (plain.double() - want).abs().max() > 0.1  # the sinks changed the output
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -133,3 +154,5 @@ def test_bad_arguments_are_refused():
         _C.paged_attention(q, k, v, None, None, offset, offset, tables, qs, lens, bs, 1.0, 0, 0.0)
     with pytest.raises(RuntimeError, match="int32"):
         _C.paged_attention(q, k, v, None, None, None, None, tables.long(), qs, lens, bs, 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="sinks"):  # one per query head
+        _C.paged_attention(q, k, v, None, None, None, None, tables, qs, lens, bs, 1.0, 0, 0.0, torch.zeros(q.shape[1] - 1))

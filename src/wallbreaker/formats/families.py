@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..config import ModelConfig, short_repr
 from ..errors import UnsupportedModelError
-from . import bert, gemma, lfm2, llama, mamba, mamba1, mamba_tensors, qwen3_next, qwen3_next_weights
+from . import bert, gemma, gpt_oss, lfm2, llama, mamba, mamba1, mamba_tensors, qwen3_next, qwen3_next_weights
 from .names import FUSED_GATE_UP, FUSED_QKV, is_norm
 
 # Engine features a family may lack (a recurrent state is not sharded across ranks, written to the
@@ -181,6 +181,12 @@ FAMILIES: tuple[ArchSpec, ...] = (
              hf_config=mamba1.config_from_hf, gguf_config=mamba1.config_from_gguf,
              hf_tensor_names=mamba1.hf_tensor_names, hf_weights_fixup=mamba1.canonical_hf_weights,
              layer_tensors=mamba1.layer_tensors, gguf_write_keys=mamba1.add_gguf_keys),
+    # gpt-oss: sinks, even layers sliding, YaRN untruncated, biased router and experts (formats/gpt_oss.py)
+    ArchSpec("gpt-oss", "gpt_oss.GptOssCausalLM", ("gpt_oss",), features=ALL_FEATURES - {TENSOR_PARALLEL},
+             qkv_bias=True, sliding=None, hf_fields=gpt_oss.hf_fields, hf_own_keys=frozenset({"swiglu_alpha", "swiglu_limit"}),
+             hf_field_keys=gpt_oss.HF_FIELD_KEYS, gguf_keys=gpt_oss.GGUF_KEYS, gguf_fields=gpt_oss.gguf_fields,
+             requires_experts=True, hf_tensor_names=gpt_oss.hf_tensor_names,
+             hf_weights_fixup=gpt_oss.canonical_hf_weights, layer_tensors=gpt_oss.layer_tensors),
 )
 
 

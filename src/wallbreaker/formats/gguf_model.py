@@ -180,6 +180,7 @@ def config_from_gguf(gf: GGUFFile) -> ModelConfig:
             "attn_logit_softcap": "attn_logit_softcapping", "final_logit_softcap": "final_logit_softcapping",
             "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
             "expert_intermediate_size": "expert_feed_forward_length", **spec.gguf_field_keys}
+    rope_scaling = extra.pop("rope_scaling", rope_scaling)  # a family's own reading of its keys (gpt-oss)
     ff = integer(a + "feed_forward_length", None if experts else _REQUIRED)
     if ff is None:  # an MoE file may give only the experts' width
         ff = integer(a + "expert_feed_forward_length")

@@ -85,27 +85,73 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim]. The new tokens' K/V must already be written.
-    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax."""
+    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax.
+    `sinks` [heads] float32 (gpt-oss): each head's learned logit in the softmax's denominator, as if
+    one more key had that score and a zero value (`_with_sink`)."""
+    if sinks is not None and softcap is not None:
+        raise ValueError("attention sinks with a soft cap are not supported")
     n = meta.num_paged_tokens
     if n == q.shape[0] and not meta.prefills:
-        return _paged(q, kv, meta, scale, sliding_window, softcap)
+        return _paged(q, kv, meta, scale, sliding_window, softcap, sinks)
     out = torch.empty_like(q)
     if n:
-        out[:n] = _paged(q[:n], kv, meta, scale, sliding_window, softcap)
+        out[:n] = _paged(q[:n], kv, meta, scale, sliding_window, softcap, sinks)
     prefill = _prefill_invariant if meta.split_by_origin else _prefill
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
-        out[rows] = prefill(q[rows], kv, span, scale, sliding_window, meta.block_size, softcap)
+        out[rows] = prefill(q[rows], kv, span, scale, sliding_window, meta.block_size, softcap, sinks)
     return out
 
 
-def _paged(q, kv: LayerKV, meta: AttentionMetadata, scale, sliding_window, softcap):
+def _paged(q, kv: LayerKV, meta: AttentionMetadata, scale, sliding_window, softcap, sinks=None):
     out = _C.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_offset, kv.v_offset, meta.block_tables,
                              meta.query_start, meta.context_lens, meta.block_size, scale, sliding_window or 0,
-                             softcap or 0.0)
+                             softcap or 0.0, sinks)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _with_sink(q, k, v, sinks: torch.Tensor, scale: float, shift: torch.Tensor | None = None):
+    """The sink as one more key, first, for SDPA: q [1, heads, L, D], k and v [1, kv_heads, ctx, D] ->
+    q' [1, heads, L, D + 2] = [q, hi, lo] where hi + lo = sink / scale (lo what q's dtype rounds off hi:
+    a bfloat16 query keeps the sink to float32's precision), k' [1, kv_heads, ctx + 1, D + 2] with the
+    sink's key (0, ..., 0, 1, 1) first and the others' extra channels 0, v' likewise with a zero row
+    first (one head size for all three, as the flash kernel wants) and its last extra channel 1 for the
+    real keys: the output's last channel is the real keys' share of the weights, which V's offset is
+    scaled by (`_output`). So every real score is q . k exactly (plus 0) and the sink's is the head's own
+    logit, whichever KV head it shares; its value adds nothing. The mask gets a leading column that is
+    always true (`_sink_column`). `shift` [1, heads, L, 1]: q . k_offset, what quantized pages' offsets
+    (left out of k) add to each real score, taken from the sink's instead, so that the two still differ
+    by what they should."""
+    logit = (sinks.to(torch.float32) / scale).view(1, -1, 1, 1).expand(*q.shape[:3], 1)  # [1, heads, L, 1]
+    if shift is not None:
+        logit = logit - shift
+    hi = logit.to(q.dtype)
+    lo = (logit - hi.float()).to(q.dtype)
+    extra = torch.cat([hi, lo], dim=-1)  # [1, heads, L, 2]
+    q = torch.cat([q, extra], dim=-1)
+    k = F.pad(F.pad(k, (0, 2)), (0, 0, 1, 0))  # [1, kv_heads, ctx + 1, D + 2]
+    k[:, :, 0, -2:] = 1
+    v = F.pad(v, (0, 2, 1, 0))  # [1, kv_heads, ctx + 1, D + 2]
+    v[:, :, 1:, -1] = 1
+    return q, k, v
+
+
+def _output(out: torch.Tensor, kv: LayerKV, heads: int) -> torch.Tensor:
+    """[L, heads, D (+ 2 with a sink)] -> [L, heads, D]: V's offset added (the weights sum to 1, or with a
+    sink to the real keys' share, its output's last channel), a sink's channels dropped."""
+    d = kv.v.shape[-1]
+    if kv.v_offset is None:
+        return out[..., :d]
+    share = out[..., -1:].float() if out.shape[-1] > d else 1.0
+    return out[..., :d].float() + share * _per_query_head(kv.v_offset, heads)
+
+
+def _sink_column(mask: torch.Tensor) -> torch.Tensor:
+    """[L, K] -> [L, 1 + K]: every query sees the sink."""
+    return torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1)
 
 
 def _slots(block_table: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -128,7 +174,7 @@ def _per_query_head(offset: torch.Tensor, heads: int) -> torch.Tensor:
     return offset.repeat_interleave(heads // offset.shape[0], dim=0)
 
 
-def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None):
+def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None, sinks=None):
     """Offsets are added exactly, not rounded into bfloat16 rows (Qwen2.5's K bias of 354 would be
     rounded by up to 1): K's adds q . k_offset to all of a query's scores, which the softmax cancels
     (the soft cap does not: there it is added to the scores), and V's adds v_offset to the output,
@@ -138,12 +184,14 @@ def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_siz
     v = _gathered(kv.v, kv.v_scale, slots)[None]
     heads = q.shape[1]
     shift = None  # [1, heads, L, 1]: q . k_offset, from the float32 queries
-    if softcap is not None and kv.k_offset is not None:
+    if (softcap is not None or sinks is not None) and kv.k_offset is not None:
         shift = (q * _per_query_head(kv.k_offset, heads)).sum(-1).T[None, :, :, None]
     q = q.transpose(0, 1)[None].to(k.dtype)  # [1, heads, L, head_dim]
     fresh = span.context_len == span.length
-    if softcap is None and fresh and not span.bidirectional and (sliding_window is None
-                                                                 or span.context_len <= sliding_window):
+    if sinks is not None:
+        q, k, v = _with_sink(q, k, v, sinks, scale, shift)
+    if softcap is None and sinks is None and fresh and not span.bidirectional and (
+            sliding_window is None or span.context_len <= sliding_window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = torch.arange(span.context_len - span.length, span.context_len, device=q.device)[:, None]
@@ -151,33 +199,41 @@ def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_siz
         mask = _causal(query_pos, key_pos, span.bidirectional)  # [L, ctx]
         if sliding_window is not None:
             mask &= (query_pos - key_pos) < sliding_window
+        if sinks is not None:
+            mask = _sink_column(mask)
         if softcap is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             out = _softcapped(q, k, v, mask, scale, softcap, shift)
-    out = out[0].transpose(0, 1)
-    return out if kv.v_offset is None else out.float() + _per_query_head(kv.v_offset, heads)
+    return _output(out[0].transpose(0, 1), kv, heads)
 
 
-def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None):
+def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None,
+                       sinks=None):
     """`_prefill` with every SDPA call of one shape: INVARIANT_QUERIES queries, the keys padded to a
     multiple of INVARIANT_KEYS, an explicit mask (never `is_causal`, whose kernel skips blocks), so that
-    a query's bits do not depend on the span's length or its cached prefix."""
+    a query's bits do not depend on the span's length or its cached prefix. A sink is the first key
+    (`_with_sink`), at the same place in every call."""
     ctx, length, heads = span.context_len, span.length, q.shape[1]
     slots = _slots(span.block_table[: -(-ctx // block_size)], block_size)[:ctx]
-    keys = -(-ctx // INVARIANT_KEYS) * INVARIANT_KEYS
-    k = F.pad(_gathered(kv.k, kv.k_scale, slots), (0, 0, 0, keys - ctx))[None]  # [1, kv_heads, keys, head_dim]
-    v = F.pad(_gathered(kv.v, kv.v_scale, slots), (0, 0, 0, keys - ctx))[None]
+    sink = int(sinks is not None)
+    keys = -(-(ctx + sink) // INVARIANT_KEYS) * INVARIANT_KEYS
+    k = F.pad(_gathered(kv.k, kv.k_scale, slots), (0, 0, 0, keys - ctx - sink))[None]  # [1, kv_heads, keys, head_dim]
+    v = F.pad(_gathered(kv.v, kv.v_scale, slots), (0, 0, 0, keys - ctx - sink))[None]
     rows = -(-length // INVARIANT_QUERIES) * INVARIANT_QUERIES
     shift = None  # [1, heads, rows, 1]: q . k_offset, from the float32 queries
-    if softcap is not None and kv.k_offset is not None:
+    if (softcap is not None or sinks is not None) and kv.k_offset is not None:
         shift = F.pad((q * _per_query_head(kv.k_offset, heads)).sum(-1).T, (0, rows - length))[None, :, :, None]
     q = F.pad(q.transpose(0, 1).to(k.dtype), (0, 0, 0, rows - length))[None]  # [1, heads, rows, head_dim]
+    if sinks is not None:
+        q, k, v = _with_sink(q, k, v, sinks, scale, shift)
     query_pos = torch.arange(ctx - length, ctx - length + rows, device=q.device).clamp(max=ctx - 1)[:, None]
-    key_pos = torch.arange(keys, device=q.device)[None, :]
-    mask = _causal(query_pos, key_pos, span.bidirectional)  # [rows, keys]
+    key_pos = torch.arange(keys - sink, device=q.device)[None, :]
+    mask = _causal(query_pos, key_pos, span.bidirectional)  # [rows, keys - sink]
     if sliding_window is not None:
         mask &= (query_pos - key_pos) < sliding_window
+    if sinks is not None:
+        mask = _sink_column(mask)  # [rows, keys]
     parts = []
     for r in range(0, rows, INVARIANT_QUERIES):
         sub = slice(r, r + INVARIANT_QUERIES)
@@ -193,8 +249,7 @@ def _prefill_invariant(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window,
         else:
             parts.append(_softcapped(q[:, :, sub], k, v, mask[sub], scale, softcap,
                                      None if shift is None else shift[:, :, sub]))
-    out = torch.cat(parts, dim=2)[0, :, :length].transpose(0, 1)
-    return out if kv.v_offset is None else out.float() + _per_query_head(kv.v_offset, heads)
+    return _output(torch.cat(parts, dim=2)[0, :, :length].transpose(0, 1), kv, heads)
 
 
 def _causal(query_pos: torch.Tensor, key_pos: torch.Tensor, blocks: tuple[tuple[int, int], ...]) -> torch.Tensor:
