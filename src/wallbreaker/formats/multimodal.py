@@ -27,7 +27,8 @@ def text_tensor_name(hf_name: str) -> str | None:
 
 def is_multimodal(hf: dict) -> bool:
     """A config of a vision-language model whose decoder wallbreaker reads (Gemma 3's, SmolVLM's)."""
-    return hf.get("model_type") in _DECODERS and isinstance(hf.get("text_config"), dict)
+    model_type = hf.get("model_type")
+    return isinstance(model_type, str) and model_type in _DECODERS and isinstance(hf.get("text_config"), dict)
 
 
 def decoder_config(hf: dict) -> dict:
