@@ -50,6 +50,29 @@ def layer_types(hf: dict[str, Any], layers: Any, where: str, default: str) -> tu
     return ("sliding",) * layers
 
 
+def own_gguf_keys(gf, known: frozenset[str]) -> Callable[..., Any]:
+    """For a family whose GGUF the generic reader does not read (the recurrent ones): refuse a key of
+    `<arch>.` not in `known` (it would change the model's math), and return `value(key, kind,
+    default=...)`, which reads `<arch>.key` checked against `kind` (a missing key without a default is
+    a ModelFormatError naming it; a default of None passes as it is)."""
+    name, a = gf.path.name, f"{gf.get('general.architecture')}."
+    for key in gf.metadata:
+        if key.startswith(a) and key[len(a):] not in known:
+            raise UnsupportedModelError(f"{name}: metadata {key} = {short_repr(gf.get(key))} is not supported "
+                                        f"(it would change the model's math)")
+
+    def value(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+        v = gf.get(a + key, default)
+        if v is ...:
+            raise ModelFormatError(f"{name}: missing metadata key {a}{key}")
+        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) != (kind is bool)):
+            raise ModelFormatError(f"{name}: metadata {a}{key} must be {getattr(kind, '__name__', kind)}, "
+                                   f"got {short_repr(v)}")
+        return v
+
+    return value
+
+
 def pre_attn_scalar(scale: float) -> float:
     """An attention scale 1/sqrt(s) -> s; an absurd scale gives a value ModelConfig refuses."""
     try:

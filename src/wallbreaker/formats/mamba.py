@@ -17,6 +17,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig, short_repr
 from ..errors import ModelFormatError, UnsupportedModelError
+from .config_keys import own_gguf_keys
 from .weights import WeightRef
 
 # config.json keys that change the math and are read here (anything else named mamba_* / ssm_* /
@@ -265,25 +266,12 @@ def mamba_config_from_gguf(gf) -> ModelConfig:
     the tensors (a layer with `attn_q.weight`); the per-layer `attention.head_count_kv` array (0: a
     recurrent layer) must agree where it says anything."""
     name, arch = gf.path.name, gf.get("general.architecture")
-    a = f"{arch}."
-    for key in gf.metadata:
-        if key.startswith(a) and key[len(a):] not in _GGUF_KEYS:
-            raise UnsupportedModelError(f"{name}: metadata {key} = {short_repr(gf.get(key))} is not supported "
-                                        f"(it would change the model's math)")
-
-    def value(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-        v = gf.get(a + key, default)
-        if v is ...:
-            raise ModelFormatError(f"{name}: missing metadata key {a}{key}")
-        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) != (kind is bool)):
-            raise ModelFormatError(f"{name}: metadata {a}{key} must be {getattr(kind, '__name__', kind)}, "
-                                   f"got {short_repr(v)}")
-        return v
+    value = own_gguf_keys(gf, _GGUF_KEYS)
 
     num = (int, float)
     hidden, layers = value("embedding_length", int), value("block_count", int)
     if layers > len(gf.tensors):
-        raise ModelFormatError(f"{name}: metadata {a}block_count is {layers} but the file has only "
+        raise ModelFormatError(f"{name}: metadata {arch}.block_count is {layers} but the file has only "
                                f"{len(gf.tensors)} tensors")
     inner, heads = value("ssm.inner_size", int), value("ssm.time_step_rank", int)
     embed = gf.tensors.get("token_embd.weight")
@@ -308,7 +296,7 @@ def mamba_config_from_gguf(gf) -> ModelConfig:
         kv = value("attention.head_count_kv", (int, list), attn_heads)
         per_layer = kv if isinstance(kv, list) else [kv if att else 0 for att in attention]
         if len(per_layer) != layers or any(n and not att for n, att in zip(per_layer, attention)):
-            raise ModelFormatError(f"{name}: metadata {a}attention.head_count_kv {short_repr(kv)} does not match "
+            raise ModelFormatError(f"{name}: metadata {arch}.attention.head_count_kv {short_repr(kv)} does not match "
                                    f"the layers with attention tensors")
         kv_heads = max(per_layer, default=0)
         if not kv_heads and any(attention):  # some converters leave the array at zeros: the K projection says
@@ -320,7 +308,7 @@ def mamba_config_from_gguf(gf) -> ModelConfig:
         rope = value("rope.scaling.finetuned", bool, False)
         rope_dims = value("rope.dimension_count", int, None)
         if rope and rope_dims not in (None, head_dim):
-            raise UnsupportedModelError(f"{name}: partial RoPE ({a}rope.dimension_count {rope_dims}) is not supported")
+            raise UnsupportedModelError(f"{name}: partial RoPE ({arch}.rope.dimension_count {rope_dims}) is not supported")
         fields.update(intermediate_size=value("feed_forward_length", int) if experts else shared,
                       num_heads=attn_heads, num_kv_heads=kv_heads or attn_heads, head_dim=head_dim,
                       rope_theta=float(value("rope.freq_base", num, 10000.0)),

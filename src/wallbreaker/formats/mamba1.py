@@ -18,6 +18,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig, short_repr
 from ..errors import ModelFormatError, UnsupportedModelError
+from .config_keys import own_gguf_keys
 from .weights import WeightRef
 
 # config.json keys read here or harmless (the time step's initialisation, the scan's implementation)
@@ -119,24 +120,11 @@ _GGUF_KEYS = frozenset({"vocab_size", "context_length", "embedding_length", "blo
 def config_from_gguf(gf) -> ModelConfig:
     """llama.cpp's `mamba` keys -> ModelConfig."""
     name, arch = gf.path.name, gf.get("general.architecture")
-    a = f"{arch}."
-    for key in gf.metadata:
-        if key.startswith(a) and key[len(a):] not in _GGUF_KEYS:
-            raise UnsupportedModelError(f"{name}: metadata {key} = {short_repr(gf.get(key))} is not supported "
-                                        f"(it would change the model's math)")
-
-    def value(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-        v = gf.get(a + key, default)
-        if v is ...:
-            raise ModelFormatError(f"{name}: missing metadata key {a}{key}")
-        if not isinstance(v, kind) or isinstance(v, bool) != (kind is bool):
-            raise ModelFormatError(f"{name}: metadata {a}{key} must be {getattr(kind, '__name__', kind)}, "
-                                   f"got {short_repr(v)}")
-        return v
+    value = own_gguf_keys(gf, _GGUF_KEYS)
 
     layers = value("block_count", int)
     if layers > len(gf.tensors):
-        raise ModelFormatError(f"{name}: metadata {a}block_count is {layers} but the file has only "
+        raise ModelFormatError(f"{name}: metadata {arch}.block_count is {layers} but the file has only "
                                f"{len(gf.tensors)} tensors")
     inner = value("ssm.inner_size", int)
     embed = gf.tensors.get("token_embd.weight")

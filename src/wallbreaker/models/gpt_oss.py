@@ -16,6 +16,7 @@ from ..layers.direct import DirectModule
 from ..layers.linear import Linear
 from .base import CausalLM, rms_norm
 from .llama import Attention, _rope_write_kv
+from .moe import dispatch
 from .source import WeightSource
 
 
@@ -47,8 +48,7 @@ def clamped_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class GptOssMoE(nn.Module):
-    """Experts dispatched as models/moe.py's SparseMoE does: the (token, slot) pairs grouped by expert,
-    one matmul per chosen expert over its tokens."""
+    """Experts dispatched by models/moe.py's `dispatch`, as SparseMoE's are."""
 
     runs_row_subsets = True  # each expert sees some of the step's rows (models/base.py `_per_token_linears`)
 
@@ -69,24 +69,13 @@ class GptOssMoE(nn.Module):
         logits, experts = torch.topk(self.router(x.float()), self.top_k, dim=-1)
         return torch.softmax(logits, dim=-1), experts
 
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e over its tokens' rows x [n, hidden] -> [n, hidden] float32."""
+        h = clamped_swiglu(self.gate_up[e](x).float() + self.gate_up_bias[e])
+        return self.down[e](h.to(x.dtype)).float() + self.down_bias[e]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
-        flat = experts.flatten()  # [T * k]: token t's j-th choice at t * k + j
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        pair_weights = weights.flatten()
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            tokens = pairs // self.top_k
-            h = clamped_swiglu(self.gate_up[e](x[tokens]).float() + self.gate_up_bias[e])
-            h = self.down[e](h.to(x.dtype)).float() + self.down_bias[e]  # [n, hidden]
-            out.index_add_(0, tokens, h * pair_weights[pairs, None])
-        return out
+        return dispatch(x, *self.route(x), self.num_experts, self.expert)
 
 
 class GptOssLayer(DirectModule):

@@ -9,6 +9,8 @@ tokens. Quantized experts stay packed: one QuantLinear per expert over its rows 
 [experts, out, in] tensor (models/source.py)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -38,20 +40,30 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e over its tokens' rows x [n, hidden] -> [n, hidden] float32."""
+        return self.down[e](_C.gated_act(self.gate_up[e](x), self.act)).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
-        flat = experts.flatten()  # [T * k]: token t's j-th choice at t * k + j
-        order = torch.argsort(flat, stable=True)  # the pairs grouped by expert, tokens ascending
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync a layer
-        pair_weights = weights.flatten()
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            tokens = pairs // self.top_k
-            h = self.down[e](_C.gated_act(self.gate_up[e](x[tokens]), self.act))  # [n, hidden]
-            out.index_add_(0, tokens, h.float() * pair_weights[pairs, None])
-        return self.reduce(out)
+        return self.reduce(dispatch(x, *self.route(x), self.num_experts, self.expert))
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
+             expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [T, hidden], each token's chosen experts [T, k] and their weights [T, k] -> [T, hidden] float32:
+    the weighted sum of each token's experts, one `expert(e, rows)` call per chosen expert."""
+    top_k = experts.shape[1]
+    flat = experts.flatten()  # [T * k]: token t's j-th choice at t * k + j
+    order = torch.argsort(flat, stable=True)  # the pairs grouped by expert, tokens ascending
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync a layer
+    pair_weights = weights.flatten()
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // top_k
+        out.index_add_(0, tokens, expert(e, x[tokens]) * pair_weights[pairs, None])
+    return out
