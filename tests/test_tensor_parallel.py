@@ -136,6 +136,20 @@ def test_hugging_face_folder_loads_in_slices(tiny_qwen2):
     assert_same_as_one_process(tiny_qwen2.hf_dir, 2)
 
 
+@pytest.mark.parametrize("arch", ["lfm2", "granite"])
+def test_hybrid_models_split_their_recurrent_layers(recurrent_folder, arch):
+    """LFM2's convolutions by channels, Granite-4.0-H's Mamba2 heads by whole groups (2 over 2 ranks);
+    every rank's state pool holds its share of each state under the same slots (forks share one)."""
+    assert_same_as_one_process(recurrent_folder(arch), 2)
+
+
+def test_a_mamba2_group_split_across_ranks_is_normed_across_them(tmp_path):
+    """One group of B and C for 8 heads: each rank holds 4 heads, and the gated norm over the group's
+    channels sums its squares across both."""
+    from tiny_mamba import granite_config, save_model
+    assert_same_as_one_process(save_model(granite_config(mamba_n_groups=1), tmp_path / "hf"), 2, GREEDY)
+
+
 @pytest.mark.slow
 def test_three_ranks_replicate_the_kv_heads(tiny_llama):
     assert_same_as_one_process(tiny_llama.gguf_path, 3)  # 2 KV heads over 3 ranks, query heads 1 + 1 + 2

@@ -32,7 +32,7 @@ from .kv.cache import default_num_blocks, make_kv_cache, memory_budget
 from .kv.disk_cache import DiskKVCache
 from .kv.kv_file import engine_fingerprint
 from .kv.sessions import SessionInfo, SessionStore
-from .kv.state_pool import StatePool, size_state_pool
+from .kv.state_pool import StatePool, size_state_pool, slot_bytes
 from .layers.linear import mapped_bytes, module_bytes
 from .layers.shard import check_splittable
 from .models import load_model
@@ -143,25 +143,24 @@ class LLM:
         if files.config.pooling is not None and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError("pooling models (embeddings, rerankers) run without tensor parallelism")
         if not family(files.config.architecture).supports(TENSOR_PARALLEL) and self.config.tensor_parallel_size > 1:
-            raise InvalidRequestError("recurrent and hybrid models run without tensor parallelism (not yet)")
+            raise InvalidRequestError(f"{family(files.config.architecture).name} models run without tensor parallelism")
         self.states: StatePool | None = None
         self.vision = _vision_model(files, self.config.mmproj)  # the image encoder and projector, where the model takes images
         if self.vision is not None and self.config.packed_weights:  # the auto path: the encoder's linears on our kernels
             self.vision.tower.use_linears(_packed_linear)
         if self.vision is not None and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError("vision models run without tensor parallelism (not yet)")
+        state_slots = self._state_slots(files.weight_bytes)
+        num_blocks = self._num_blocks(max_len, files.weight_bytes, state_slots)
+        max_len = self._fit_context(max_len, num_blocks * bs)
         if self.config.tensor_parallel_size == 1:
             self.model = load_model(files, self.config, device)
-            self.states = self._state_pool(files.weight_bytes, device)
-            num_blocks = self._num_blocks(max_len, files.weight_bytes)
-            max_len = self._fit_context(max_len, num_blocks * bs)
+            self.states = StatePool(self._state_shapes(), *state_slots, device) if state_slots is not None else None
             self.kv_cache = make_kv_cache(files.config, self.config, num_blocks, device)
             runner = ModelRunner(self.model, self.kv_cache, device, vocab_limit, self.states, self.vision)
         else:
-            num_blocks = self._num_blocks(max_len, files.weight_bytes)
-            max_len = self._fit_context(max_len, num_blocks * bs)
-            runner = self._start_tensor_parallel(files, num_blocks, vocab_limit)
-            self.model, self.kv_cache = runner.model, runner.kv_cache
+            runner = self._start_tensor_parallel(files, num_blocks, vocab_limit, state_slots)
+            self.model, self.kv_cache, self.states = runner.model, runner.kv_cache, runner.states
         self.max_model_len = max_len
         self.kv_disk, sessions = self._disk_tier()
         eos = frozenset(files.config.eos_token_ids) | self.tokenizer.stop_token_ids
@@ -191,22 +190,27 @@ class LLM:
                        pool_tokens, max_len)
         return pool_tokens
 
-    def _num_blocks(self, max_len: int, weight_bytes: int) -> int:
+    def _num_blocks(self, max_len: int, weight_bytes: int, state_slots: tuple[int, int] | None) -> int:
         """KV blocks for the whole model (under tensor parallelism each rank holds its heads' share),
-        in what the state pool leaves of the budget."""
+        in what the state pool (`state_slots`, whole states) leaves of the budget."""
         c = self.config
+        state_bytes = state_slots[0] * slot_bytes(self._state_shapes()) if state_slots is not None else 0
         return default_num_blocks(self.model_config, c.kv_block_size, c.kv_cache_torch_dtype, c.kv_cache_memory_gb,
-                                  c.max_num_seqs * max_len, weight_bytes,
-                                  self.states.nbytes if self.states is not None else 0)
+                                  c.max_num_seqs * max_len, weight_bytes, state_bytes)
 
-    def _state_pool(self, weight_bytes: int, device: torch.device) -> StatePool | None:
-        """The recurrent layers' state pool (None: the model has none), sized for `max_num_seqs`
-        sequences and the prefix cache's share (`prefix_state_slots`, by default one per sequence)
-        within the memory budget: all of it for a model without attention, three quarters for a hybrid
-        (whose few attention layers' pages hold many tokens in the rest: Granite-4.0-H-1B keeps 8 KB
-        a token in bfloat16, where one sequence's state is 55 MB)."""
+    def _state_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Per recurrent layer, its state kinds' shapes for one sequence ([]: no recurrent layers)."""
         cfg = self.model_config
-        shapes = [cfg.state_shapes(i) for i in range(cfg.num_layers) if not cfg.is_attention(i)]
+        return [cfg.state_shapes(i) for i in range(cfg.num_layers) if not cfg.is_attention(i)]
+
+    def _state_slots(self, weight_bytes: int) -> tuple[int, int] | None:
+        """The state pool's slots and its prefix cache's share of them (`prefix_state_slots`, by
+        default one per sequence), for `max_num_seqs` sequences within the memory budget: all of it
+        for a model without attention, three quarters for a hybrid (whose few attention layers'
+        pages hold many tokens in the rest: Granite-4.0-H-1B keeps 8 KB a token in bfloat16, where
+        one sequence's state is 55 MB). Under tensor parallelism every rank has as many slots, each
+        holding its share of a state. None: the model has no recurrent layers."""
+        shapes = self._state_shapes()
         if not shapes:
             return None
         c = self.config
@@ -217,8 +221,7 @@ class LLM:
         if c.enable_prefix_caching:
             checkpoints = c.max_num_seqs if c.prefix_state_slots is None else c.prefix_state_slots
         spec = c.num_speculative_tokens if c.speculative_method else 0
-        slots, checkpoints = size_state_pool(shapes, c.max_num_seqs, spec, checkpoints, budget)
-        return StatePool(shapes, slots, checkpoints, device)
+        return size_state_pool(shapes, c.max_num_seqs, spec, checkpoints, budget)
 
     def _scheduler(self, num_blocks: int, max_len: int, disk: DiskKVCache | None = None,
                    states: StatePool | None = None) -> Scheduler:
@@ -253,13 +256,14 @@ class LLM:
             if spec.supports(SESSIONS) else None
         return disk, sessions
 
-    def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int, vocab_limit: int) -> ModelRunner:
+    def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int, vocab_limit: int,
+                               state_slots: tuple[int, int] | None) -> ModelRunner:
         """Start the workers (or join torchrun's ranks) and load rank 0's shard; see parallel/."""
         from .parallel.launcher import launch
         check_splittable(files.config, self.config.tensor_parallel_size)
         self.workers = launch(self.config)
         weakref.finalize(self, self.workers.shutdown)  # an LLM dropped without shutdown() still stops them
-        return self.workers.start_runner(files, self.config, num_blocks, vocab_limit)
+        return self.workers.start_runner(files, self.config, num_blocks, vocab_limit, state_slots)
 
     @property
     def files(self) -> ModelFiles:

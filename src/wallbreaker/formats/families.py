@@ -109,7 +109,8 @@ class ArchSpec:
         return self.label(c) if self.label is not None else self.name
 
 
-_RECURRENT = frozenset()  # a recurrent state is kept in RAM, on one rank, and never rolled back
+_RECURRENT = frozenset()  # a recurrent state is kept in RAM and never rolled back; split across ranks where the
+#                           family's mixers say how (LFM2's convolutions by channels, Mamba2's heads)
 _QWEN3_NEXT_NAMES = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "linear_attn.in_proj_qkvz.weight": "ssm_in.weight",  # brought to the converter's form: qwen3_next_weights.py
@@ -130,7 +131,7 @@ _GEMMA_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
 _GEMMA = dict(hf_act_keys=("hidden_activation", "hidden_act"), hf_act="gelu_pytorch_tanh", tied_embeddings=True,
               sliding=None, hf_layer_names=_GEMMA_NAMES, norm_adds_one=is_norm, model="gemma.GemmaCausalLM")
 _QWEN = dict(model="llama.LlamaCausalLM", sliding="max_window_layers", hf_write=llama.qwen_hf_write)
-_MAMBA2 = dict(features=_RECURRENT, hf_config=mamba.mamba_config_from_hf, gguf_config=mamba.mamba_config_from_gguf,
+_MAMBA2 = dict(features=_RECURRENT | {TENSOR_PARALLEL}, hf_config=mamba.mamba_config_from_hf, gguf_config=mamba.mamba_config_from_gguf,
                hf_weights=mamba.mamba_hf_weights, layer_tensors=mamba_tensors.mamba_layer_tensors,
                gguf_write_keys=mamba.add_mamba2_metadata)
 
@@ -158,7 +159,7 @@ FAMILIES: tuple[ArchSpec, ...] = (
              hf_fields=gemma.gemma3_hf_fields, gguf_fields=gemma.gemma3_gguf_fields,
              hf_classes={"gemma3_text": "Gemma3ForCausalLM"}, hf_write=gemma.gemma3_hf_write, **_GEMMA),
     ArchSpec("bert", "bert.BertModel", ("bert",), read_folder=bert.read_bert_folder, read_gguf=bert.read_bert_gguf),
-    ArchSpec("lfm2", "lfm2.Lfm2CausalLM", ("lfm2",), features=_RECURRENT, hf_keys=lfm2.hf_config_keys, qk_norm=True,
+    ArchSpec("lfm2", "lfm2.Lfm2CausalLM", ("lfm2",), features=_RECURRENT | {TENSOR_PARALLEL}, hf_keys=lfm2.hf_config_keys, qk_norm=True,
              hf_field_keys={"conv_kernel": "conv_L_cache"}, gguf_keys=frozenset({"shortconv.l_cache"}),
              gguf_fields=lfm2.gguf_fields, gguf_field_keys={"conv_kernel": "shortconv.l_cache"},
              hf_tensor_names=lfm2.hf_tensor_names, hf_weights_fixup=lfm2.squeeze_conv_weights,

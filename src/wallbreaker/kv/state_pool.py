@@ -120,6 +120,14 @@ class StatePool:
                 "state_checkpoint_queries": self.checkpoint_queries}
 
 
+def shard_state_pool(model: torch.nn.Module, sizes: tuple[int, int] | None, device: torch.device) -> StatePool | None:
+    """A tensor-parallel rank's pool: as many slots as every rank's (`sizes`: slots, prefix-cache
+    share), each of the shapes its own share of the recurrent layers keeps."""
+    if sizes is None:
+        return None
+    return StatePool([m.state_shapes() for m in model.recurrent_layers()], *sizes, device)
+
+
 def slot_bytes(layer_shapes: list[list[tuple[int, ...]]]) -> int:
     return sum(math.prod(s) * 4 for shapes in layer_shapes for s in shapes)
 

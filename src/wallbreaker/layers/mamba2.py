@@ -23,12 +23,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 
 from .. import _C
 from ..config import ModelConfig
 from .attention import AttentionMetadata
 from .recurrent import RecurrentMixer, scan_spans
+from .shard import HeadShard, Shard
 
 
 # The SSD chunk is a blocking choice: any length gives the same outputs up to rounding. Models
@@ -53,11 +55,20 @@ class Mamba2Weights:
 class Mamba2Mixer(RecurrentMixer):
     in_pool = True  # short spans through `step_in_pool` (C++); False: `step`, the torch form it is tested against
 
-    def __init__(self, cfg: ModelConfig, in_proj: nn.Module, out_proj: nn.Module, w: Mamba2Weights):
-        """`in_proj`: hidden -> z (inner) | xBC (conv_dim) | dt (heads); `out_proj`: inner -> hidden."""
+    def __init__(self, cfg: ModelConfig, in_proj: nn.Module, out_proj: nn.Module, w: Mamba2Weights,
+                 heads: HeadShard | None = None, shard: Shard | None = None):
+        """`in_proj`: hidden -> z (inner) | xBC (conv_dim) | dt (heads); `out_proj`: inner -> hidden.
+        Under tensor parallelism (models/mamba2.py `mamba2_mixer`): `heads.q` the heads this rank
+        holds, `heads.kv` their groups; the weights are this rank's."""
         super().__init__()
-        self.num_heads, self.head_dim = cfg.ssm_num_heads, cfg.ssm_head_dim
-        self.num_groups, self.state_size = cfg.ssm_num_groups, cfg.ssm_state_size
+        self.head_dim, self.state_size = cfg.ssm_head_dim, cfg.ssm_state_size
+        self.num_heads, self.num_groups = (cfg.ssm_num_heads, cfg.ssm_num_groups) if heads is None \
+            else (len(heads.q), len(heads.kv))
+        # fewer groups than ranks: a group's heads may be split across ranks, so its norm's sum of squares
+        # is all-reduced (by every rank, whether or not its own group is split)
+        self.split_group = None
+        if heads is not None and cfg.ssm_num_groups < shard.world_size:
+            self.split_group = (heads.kv.start, cfg.ssm_num_groups, cfg.ssm_num_heads // cfg.ssm_num_groups, shard.group)
         self.inner = self.num_heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.num_groups * self.state_size
         self.kernel = cfg.ssm_conv_kernel
@@ -84,7 +95,14 @@ class Mamba2Mixer(RecurrentMixer):
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of y * silu(z) over each group of inner / groups channels, times the weight."""
         g = (y * F.silu(z)).view(-1, self.num_groups, self.inner // self.num_groups)
-        return F.rms_norm(g, (g.shape[-1],), eps=self.eps).view(-1, self.inner) * self.norm_weight
+        if self.split_group is None:
+            return F.rms_norm(g, (g.shape[-1],), eps=self.eps).view(-1, self.inner) * self.norm_weight
+        group, num_groups, heads_per_group, process_group = self.split_group
+        squares = g.new_zeros(g.shape[0], num_groups)  # [T, all groups]: this rank's share of its group's
+        squares[:, group] = g.square().sum((1, 2))
+        dist.all_reduce(squares, group=process_group)
+        mean = squares[:, group, None, None] / (heads_per_group * self.head_dim)
+        return (g * torch.rsqrt(mean + self.eps)).view(-1, self.inner) * self.norm_weight
 
     def _time_step(self, dt: torch.Tensor) -> torch.Tensor:
         dt = F.softplus(dt + self.dt_bias)

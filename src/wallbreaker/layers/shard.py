@@ -85,6 +85,8 @@ def check_splittable(cfg: ModelConfig, world_size: int) -> None:
     """Raises a clear error, before any process starts, if `cfg` cannot run on `world_size` ranks."""
     for rank in range(world_size):
         head_shard(cfg.num_heads, cfg.num_kv_heads, rank, world_size)
+        if cfg.ssm_num_heads and cfg.ssm_num_groups:  # Mamba2 layers: heads over groups as queries over KV heads
+            head_shard(cfg.ssm_num_heads, cfg.ssm_num_groups, rank, world_size)
     if cfg.intermediate_size < world_size or cfg.vocab_size < world_size or cfg.expert_ffn < world_size:
         raise InvalidRequestError(f"tensor_parallel_size={world_size} exceeds the model's MLP or vocabulary size")
 

@@ -17,9 +17,17 @@ from .source import WeightSource
 
 
 def short_conv(layer: int, src: WeightSource) -> ShortConv:
+    """Under tensor parallelism a rank holds a run of the channels: its rows of each of in_proj's B, C
+    and x, of the convolution, and its columns of out_proj (whose partial sums are all-reduced)."""
     p = f"blk.{layer}.shortconv."
-    return ShortConv(src.linear([p + "in_proj.weight"]), src.weights[p + "conv.weight"].load().float(),
-                     src.linear([p + "out_proj.weight"]))
+    conv = src.weights[p + "conv.weight"].load().float()  # [channels, kernel]
+    if src.shard is None:
+        return ShortConv(src.linear([p + "in_proj.weight"]), conv, src.linear([p + "out_proj.weight"]))
+    channels = conv.shape[0]
+    mine = src.shard.split(channels)
+    in_rows = [range(k * channels + mine.start, k * channels + mine.stop) for k in range(3)]  # B, C, x
+    return ShortConv(src.linear_of([src.weights[p + "in_proj.weight"]] * 3, parallel="column", slices=in_rows),
+                     conv[mine.start:mine.stop], src.linear([p + "out_proj.weight"], parallel="row", slices=[mine]))
 
 
 class Lfm2DecoderLayer(DirectModule):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..errors import InvalidRequestError, WorkerFailedError
 from ..formats.weights import ModelFiles
 from ..kv.cache import make_kv_cache
+from ..kv.state_pool import shard_state_pool
 from ..layers.shard import Shard
 from ..models import load_model
 from .channel import StepChannel
@@ -87,16 +88,18 @@ class Workers:
         """rank -> process id of the workers started here (none under torchrun)."""
         return {rank: p.pid for rank, p in self.procs.items()}
 
-    def start_runner(self, files: ModelFiles, config, num_blocks: int, vocab_limit: int) -> ParallelModelRunner:
-        """Hand the workers the model and its KV pool size, load rank 0's shard, wait for all."""
+    def start_runner(self, files: ModelFiles, config, num_blocks: int, vocab_limit: int,
+                     state_slots: tuple[int, int] | None = None) -> ParallelModelRunner:
+        """Hand the workers the model and its KV and state pool sizes, load rank 0's shard, wait for all."""
         spec = {"config": {**dataclasses.asdict(config), "model": None}, "model_path": str(files.path),
-                "num_blocks": num_blocks}
+                "num_blocks": num_blocks, "state_slots": state_slots}
         try:
             dist.broadcast_object_list([spec], src=0, group=self.group.control)
             self._state = "loading"
             shard = Shard(0, self.group.world_size, self.group.model)
             model = load_model(files, config, self.group.device, shard)
             kv_cache = make_kv_cache(files.config, config, num_blocks, self.group.device, shard)
+            states = shard_state_pool(model, state_slots, self.group.device)
             dist.barrier(group=self.group.control)
         except RuntimeError as e:
             raise self.fail(e) from None
@@ -104,7 +107,7 @@ class Workers:
             self.shutdown()
             raise
         self._state = "running"
-        return ParallelModelRunner(model, kv_cache, self.group.device, vocab_limit, self)
+        return ParallelModelRunner(model, kv_cache, self.group.device, vocab_limit, self, states)
 
     def fail(self, error: BaseException) -> WorkerFailedError:
         """Tear the group down after a failed collective; the error to raise, naming the rank that died."""

@@ -9,6 +9,7 @@ import torch
 from ..engine.model_runner import ModelRunner, StepInputs
 from ..errors import WorkerFailedError
 from ..kv.cache import KVCache
+from ..kv.state_pool import StatePool
 from ..models import CausalLM
 from .channel import StepChannel
 
@@ -24,8 +25,8 @@ class StepWorkers(Protocol):
 
 class ParallelModelRunner(ModelRunner):
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, vocab_limit: int,
-                 workers: StepWorkers):
-        super().__init__(model, kv_cache, device, vocab_limit)
+                 workers: StepWorkers, states: StatePool | None = None):
+        super().__init__(model, kv_cache, device, vocab_limit, states)
         self.workers = workers
 
     def execute(self, step: StepInputs) -> torch.Tensor:

@@ -20,6 +20,7 @@ from ..config import EngineConfig
 from ..engine.model_runner import ModelRunner
 from ..formats import open_model
 from ..kv.cache import make_kv_cache
+from ..kv.state_pool import shard_state_pool
 from ..layers.shard import Shard
 from ..models import load_model
 from .channel import StepChannel
@@ -39,7 +40,8 @@ def serve(group: ParallelGroup) -> None:
     files = open_model(spec["model_path"])
     shard = Shard(group.rank, group.world_size, group.model)
     model = load_model(files, config, group.device, shard)
-    runner = ModelRunner(model, make_kv_cache(files.config, config, spec["num_blocks"], group.device, shard), group.device)
+    kv_cache = make_kv_cache(files.config, config, spec["num_blocks"], group.device, shard)
+    runner = ModelRunner(model, kv_cache, group.device, states=shard_state_pool(model, spec["state_slots"], group.device))
     dist.barrier(group=group.control)
     channel = StepChannel(group.control, group.device)
     while (step := channel.recv()) is not None:
