@@ -3,7 +3,10 @@ and a model without attention (Mamba2): a prompt sent again starts from the stat
 its last block boundary and computes at most a fifth of its tokens; a saved session (`save_prefix` /
 `load_prefix`) and the disk tier carry that state into another engine (and another process); a damaged
 state file is refused and its tokens computed again. Every warm run gives the tokens of an engine without
-any cache (the reference), also batched, in chunks of 7 tokens and with n-gram speculation."""
+any cache (the reference), also batched, in chunks of 7 tokens and with n-gram speculation, and each
+chosen token's log-probability is the reference's to 1e-4: the random models' greedy tokens hardly
+depend on what lies a hundred tokens back (Mamba2's are the same from a zero state), their
+log-probabilities do (by 3e-2 from a zero state)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +19,11 @@ from pathlib import Path
 import pytest
 from tiny_recurrent import GREEDY, TEXT, make_llm
 
-from wallbreaker import LLM, InvalidRequestError
+from wallbreaker import LLM, InvalidRequestError, SamplingParams
 
 BS = 16
+PARAMS = dataclasses.replace(GREEDY, logprobs=1)
+CLOSE = 1e-4
 ARCHS = {"lfm2": {}, "granite": {}, "mamba2": {"max_model_len": 2048}}
 
 
@@ -53,18 +58,35 @@ def extended(plain, prompt) -> list[int]:
     return prompt + plain.tokenizer.encode(" And what keeps a state per sequence?")
 
 
-def run(llm: LLM, ids: list[int]) -> tuple[list[int], int]:
-    """Greedy tokens and the prompt tokens the prefix cache served."""
-    out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
-    return out.outputs[0].token_ids, out.metrics["num_cached_prompt_tokens"]
+@dataclasses.dataclass
+class Run:
+    tokens: list[int]
+    logprobs: list[float]  # each chosen token's
+
+    def __eq__(self, other: object) -> bool:
+        """The same tokens, with log-probabilities within CLOSE."""
+        return isinstance(other, Run) and self.tokens == other.tokens and \
+            max(abs(a - b) for a, b in zip(self.logprobs, other.logprobs)) < CLOSE
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = PARAMS) -> tuple[list[Run], list[int]]:
+    """Each prompt's run, all submitted at once, and the prompt tokens the prefix cache served each."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return ([Run(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
+            [o.metrics["num_cached_prompt_tokens"] for o in outs])
+
+
+def run(llm: LLM, ids: list[int]) -> tuple[Run, int]:
+    runs, cached = generate(llm, [ids])
+    return runs[0], cached[0]
 
 
 @functools.cache
-def _cold(plain: LLM, ids: tuple[int, ...]) -> list[int]:
+def _cold(plain: LLM, ids: tuple[int, ...]) -> Run:
     return run(plain, list(ids))[0]
 
 
-def cold(plain: LLM, ids: list[int]) -> list[int]:
+def cold(plain: LLM, ids: list[int]) -> Run:
     return _cold(plain, tuple(ids))
 
 
@@ -86,7 +108,7 @@ def test_a_prompt_sent_twice_computes_at_most_a_fifth_of_it_the_second_time(make
     first, cached = run(llm, prompt)
     assert cached == 0 and first == cold(plain, prompt)
     again, cached = run(llm, prompt)
-    assert len(prompt) - cached <= len(prompt) / 5 and again == first
+    assert cached == (len(prompt) - 1) // BS * BS and len(prompt) - cached <= len(prompt) / 5 and again == first
     turn, cached = run(llm, extended)
     assert cached == (len(prompt) - 1) // BS * BS and turn == cold(plain, extended)
     assert llm.stats()["state_checkpoint_hits"] == 2
@@ -97,17 +119,15 @@ def test_batched_chunked_by_7_and_speculated_repeats_give_the_cold_tokens(make, 
     speculation (greedy among four tokens, so that outputs repeat and n-grams propose); then again, and
     the next turns: each hit starts at a block boundary with the state taken there, and the tokens are
     the reference's."""
-    few = dataclasses.replace(GREEDY, allowed_token_ids=plain.tokenizer.encode(" the quick brown fox"))
+    few = dataclasses.replace(PARAMS, allowed_token_ids=plain.tokenizer.encode(" the quick brown fox"))
     llm = make(max_num_batched_tokens=7, speculative_method="ngram", num_speculative_tokens=4,
                speculative_adaptive=False)
     question = extended[len(prompt):]
     rounds = [[prompt, prompt[20:], prompt[:50] * 2]] * 2
     rounds.append([p + question for p in rounds[0]])
     for i, prompts in enumerate(rounds):
-        requests = [{"prompt_token_ids": p} for p in prompts]
-        outs = llm.generate(requests, few)
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain.generate(requests, few)]
-        cached = [o.metrics["num_cached_prompt_tokens"] for o in outs]
+        runs, cached = generate(llm, prompts, few)
+        assert runs == generate(plain, prompts, few)[0]
         if i == 1:
             assert cached == [(len(p) - 1) // BS * BS for p in prompts]
         elif i == 2:
@@ -169,16 +189,16 @@ def test_a_corrupted_state_file_is_detected_and_recomputed(make, plain, prompt, 
 RESTORER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from tiny_recurrent import GREEDY, make_llm
+from test_recurrent_state_cache import run
+from tiny_recurrent import make_llm
 folder, root, ids, options = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), json.loads(sys.argv[5])
 out = {}
 llm = make_llm(folder, kv_cache_disk_dir=root, **options)
 out["session_tokens"] = llm.load_prefix("chat").num_tokens
-r = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
-out["session"] = [r.outputs[0].token_ids, r.metrics["num_cached_prompt_tokens"]]
-llm = make_llm(folder, kv_cache_disk_dir=root, kv_cache_disk_gb=0.1, **options)
-r = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
-out["disk"] = [r.outputs[0].token_ids, r.metrics["num_cached_prompt_tokens"]]
+r, cached = run(llm, ids)
+out["session"] = [r.tokens, r.logprobs, cached]
+r, cached = run(make_llm(folder, kv_cache_disk_dir=root, kv_cache_disk_gb=0.1, **options), ids)
+out["disk"] = [r.tokens, r.logprobs, cached]
 print(json.dumps(out))
 """
 
@@ -197,4 +217,5 @@ def test_a_new_process_restores_the_session_and_the_disk_tier(arch, folder, make
     boundary = (len(prompt) - 1) // BS * BS
     want = cold(plain, extended)
     assert out["session_tokens"] == boundary
-    assert out["session"] == [want, boundary] and out["disk"] == [want, boundary]
+    for tokens, logprobs, cached in (out["session"], out["disk"]):
+        assert Run(tokens, logprobs) == want and cached == boundary
