@@ -219,3 +219,18 @@ def test_a_new_process_restores_the_session_and_the_disk_tier(arch, folder, make
     assert out["session_tokens"] == boundary
     for tokens, logprobs, cached in (out["session"], out["disk"]):
         assert Run(tokens, logprobs) == want and cached == boundary
+
+
+@pytest.mark.parametrize("other", ["qwen3_next", "mamba"])
+def test_the_other_state_kinds_go_through_the_disk_tier(recurrent_folder, other, tmp_path):
+    """Qwen3-Next's delta-net states and Mamba (v1)'s: nothing in the disk tier knows a layer kind."""
+    plain = make_llm(recurrent_folder(other), kv_block_size=BS, max_model_len=2048, enable_prefix_caching=False)
+    make = functools.partial(make_llm, recurrent_folder(other), kv_block_size=BS, max_model_len=2048,
+                             kv_cache_disk_dir=str(tmp_path), kv_cache_disk_gb=0.1)
+    prompt = plain.tokenizer.encode(TEXT * 2)
+    extended = prompt + plain.tokenizer.encode(" And what keeps a state per sequence?")
+    writer = make()
+    run(writer, prompt)
+    writer.shutdown()
+    tokens, cached = run(make(), extended)
+    assert cached == (len(prompt) - 1) // BS * BS and tokens == run(plain, extended)[0]
