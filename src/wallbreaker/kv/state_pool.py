@@ -74,8 +74,8 @@ class StatePool:
         return slot
 
     def read_slot(self, slot: int) -> list[torch.Tensor]:
-        """Copies of `slot`'s state, each layer's kinds in order: what a file of it holds."""
-        return [t[slot].clone() for kinds in self.layers for t in kinds]
+        """Copies of `slot`'s state in host memory, each layer's kinds in order: what a file of it holds."""
+        return [t[slot].to("cpu", copy=True) for kinds in self.layers for t in kinds]
 
     def write_slot(self, slot: int, parts: list[torch.Tensor]) -> None:
         """Set `slot` (a fresh one, not yet read by a step) from `read_slot`'s parts."""
