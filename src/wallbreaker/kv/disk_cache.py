@@ -83,8 +83,8 @@ class DiskKVCache:
         self.kv_cache = kv_cache
         self.stats = DiskStats()
         self._digest = fingerprint_digest(fingerprint)
-        self._on_disk: set[bytes] = set()  # block hashes this process wrote or read (not written again)
-        self._queue: queue.Queue[tuple[bytes, dict, list[torch.Tensor], int] | None] = queue.Queue()
+        self._on_disk: set[bytes] = set()  # block hashes (b"S" + hash: states) this process wrote or read
+        self._queue: queue.Queue[tuple[bytes, Path, dict, list[torch.Tensor], int] | None] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._used_bytes: int | None = None  # the folder's size, as the writer last counted it
@@ -102,14 +102,18 @@ class DiskKVCache:
     def store(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
         """Queue a newly full block for writing (its pages copied now: the slots may be reused)."""
         header = {"block_hash": block_hash.hex(), "token_ids": list(token_ids)}
-        self._enqueue(block_hash, header, self.kv_cache.block_nbytes, lambda: self.kv_cache.read_block(block_id))
+        self._enqueue(block_hash, self.path(block_hash), header, self.kv_cache.block_nbytes,
+                      lambda: self.kv_cache.read_block(block_id))
 
     def store_state(self, block_hash: bytes, read_state: Callable[[], list[torch.Tensor]], nbytes: int) -> None:
         """Queue the recurrent state after the block `block_hash` (a prefix-cache checkpoint) for
         writing; `read_state` copies it now (its slot may be reused)."""
-        self._enqueue(b"S" + block_hash, {"kind": "state", "block_hash": block_hash.hex()}, nbytes, read_state)
+        self._enqueue(b"S" + block_hash, self.state_path(block_hash), {"kind": "state", "block_hash": block_hash.hex()},
+                      nbytes, read_state)
 
-    def _enqueue(self, key: bytes, header: dict, size: int, read_parts: Callable[[], list[torch.Tensor]]) -> None:
+    def _enqueue(self, key: bytes, path: Path, header: dict, size: int,
+                 read_parts: Callable[[], list[torch.Tensor]]) -> None:
+        """Queue a file for the writer (`key`: what `_on_disk` knows it by)."""
         if key in self._on_disk:
             return
         with self._lock:
@@ -119,7 +123,7 @@ class DiskKVCache:
             self._pending_bytes += size
         self._on_disk.add(key)
         self._start_writer()
-        self._queue.put((key, header, read_parts(), size))
+        self._queue.put((key, path, header, read_parts(), size))
 
     def load_state(self, block_hash: bytes, shapes: list[tuple[int, ...]]) -> list[torch.Tensor] | None:
         """The recurrent state after the block `block_hash`, checked (float32 parts of `shapes`);
@@ -217,13 +221,13 @@ class DiskKVCache:
             item = self._queue.get()
             if item is None:
                 return
-            key, header, parts, size = item
+            key, path, header, parts, size = item
             while not self._engine_idle.wait(0.05):
                 with self._lock:
                     if self._pending_bytes > MAX_PENDING_BYTES // 2:
                         break
             try:
-                self._write(key, header, parts)
+                self._write(path, header, parts)
             except Exception as e:  # a full disk, a read-only folder, a folder removed under us
                 self.stats.write_errors += 1
                 self._on_disk.discard(key)
@@ -232,12 +236,10 @@ class DiskKVCache:
                 with self._lock:
                     self._pending_bytes -= size
 
-    def _write(self, key: bytes, header: dict, parts: list[torch.Tensor]) -> None:
+    def _write(self, path: Path, header: dict, parts: list[torch.Tensor]) -> None:
         # replaced if there: a file this process did not read is one it could not use
-        is_state = header.get("kind") == "state"
-        path = self.state_path(key[1:]) if is_state else self.path(key)
         written = write_atomic(path, {"fingerprint": self.fingerprint, **header}, parts)
-        if is_state:
+        if header.get("kind") == "state":
             self.stats.states_written += 1
         else:
             self.stats.blocks_written += 1
