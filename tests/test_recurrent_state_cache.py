@@ -234,3 +234,11 @@ def test_the_other_state_kinds_go_through_the_disk_tier(recurrent_folder, other,
     writer.shutdown()
     tokens, cached = run(make(), extended)
     assert cached == (len(prompt) - 1) // BS * BS and tokens == run(plain, extended)[0]
+
+
+def test_a_session_without_a_kept_state_is_refused_saying_why(arch, make, prompt, tmp_path):
+    if arch != "lfm2":
+        pytest.skip("the refusal does not depend on the layer kind")
+    llm = make(kv_cache_disk_dir=str(tmp_path), prefix_state_slots=0)
+    with pytest.raises(InvalidRequestError, match=r"no recurrent state .*\(prefix_state_slots=0"):
+        llm.save_prefix({"prompt_token_ids": prompt}, "chat")

@@ -104,8 +104,11 @@ class SessionStore:
                 break
             blocks.append(block)
         state: list[torch.Tensor] = []
-        if self.states is not None:
+        if self.states is not None and blocks:
             blocks, state = self._with_state(blocks)
+            if not blocks:
+                raise InvalidRequestError("the prefix cache kept no recurrent state after the prompt's blocks to save "
+                                          "(prefix_state_slots=0 keeps none)", param="prompt")
         if not blocks:
             raise InvalidRequestError(f"nothing of the prompt is in the prefix cache to save (it needs at least "
                                       f"{manager.block_size} tokens, one full block)", param="prompt")
