@@ -21,6 +21,10 @@ cold. TTFT is the time to the first streamed chunk, as a client sees it.
     python benchmarks/prefix_disk.py                          # SmolLM2, the embedded default
     python benchmarks/prefix_disk.py --sessions
     python benchmarks/prefix_disk.py --model qwen2.5-coder-1.5b --json benchmarks/results/prefix_disk_qwen1.5b.json
+    python benchmarks/prefix_disk.py --model ~/hybrid-models/granite-4.0-h-1b-q8_0.gguf   # a hybrid (issue 51 item 2)
+
+A recurrent or hybrid model (benchmarks/hybrid_models.py writes real shapes) runs the same: its
+state checkpoints are written and read beside its blocks, so the warm run skips its recurrent layers too.
 
 The folders are temporary (never ~/.cache). Results: --json (default benchmarks/results/prefix_disk_<model>.json).
 """
@@ -211,7 +215,7 @@ def main() -> None:
         warm = spawn(args, DISK_GB, folder, True)
         cold = spawn(args, 0.0, None, True)
         ram = spawn(args, 0.0, None, False, warm_in_ram=True)
-        disk_mb = sum(p.stat().st_size for p in (folder / "blocks").glob("*.kvb")) / 1e6
+        disk_mb = sum(p.stat().st_size for p in (folder / "blocks").iterdir() if p.suffix in (".kvb", ".kvst")) / 1e6
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731

@@ -268,3 +268,23 @@ def test_a_prefix_hit_is_not_counted_as_a_free_slot_when_admitting():
     states.release(held)
     assert run(s, runner, [longer], 3) == [reference(prompt + [3, 4, 5, 6, 7], 3)]
     assert longer.num_cached_tokens == 8
+
+
+def test_a_state_read_from_a_file_becomes_a_checkpoint_where_a_slot_is_free():
+    """`read_slot` / `write_slot` round-trip every layer's kinds; `restore_checkpoint` keeps the state
+    as the block's checkpoint (the one already kept where there is one), and gives up, taking
+    nothing, where no slot is free or checkpoints are off."""
+    pool = StatePool([[(2,), (1, 3)], [(4,)]], 4, max_checkpoints=2)
+    source = pool.allocate()
+    for t in (t for kinds in pool.layers for t in kinds):
+        t[source] = torch.randn(t.shape[1:])
+    parts = pool.read_slot(source)
+    slot = pool.restore_checkpoint(b"a", parts)
+    assert slot not in (None, source) and pool.lookup(b"a") == slot
+    assert all(torch.equal(a, b) for a, b in zip(pool.read_slot(slot), parts))
+    assert pool.restore_checkpoint(b"a", parts) == slot and pool.num_used == 2
+    held = [pool.allocate() for _ in range(pool.num_free)]  # the checkpoint too: evicted
+    assert pool.lookup(b"a") is None and pool.restore_checkpoint(b"b", parts) is None and pool.num_used == 3
+    for s in held:
+        pool.release(s)
+    assert StatePool([[(2,)]], 4, max_checkpoints=0).restore_checkpoint(b"a", [torch.zeros(2)]) is None

@@ -234,7 +234,8 @@ class LLM:
         """The prefix cache's disk tier (where `kv_cache_disk_gb` > 0) and the saved sessions'
         store, in `kv_cache_disk_dir`; neither under tensor parallelism (each rank would need its
         shard read and written: not yet), nor without the prefix cache, nor for a family whose spec
-        says it has none (recurrent states are not written to disk: not yet)."""
+        says it has none. A recurrent model's states are written beside its blocks (their shapes are
+        part of the fingerprint)."""
         c = self.config
         spec = family(self.model_config.architecture)
         if c.tensor_parallel_size > 1 or not c.enable_prefix_caching or not (spec.supports(DISK_TIER)
@@ -245,6 +246,8 @@ class LLM:
         computed_by = (kernels.isa() if c.packed_weights else "torch") + (" batch-invariant" if c.batch_invariant else "")
         fingerprint = engine_fingerprint(source_identity(self.model_path), c.dtype, computed_by, self.kv_cache.dtype,
                                          c.kv_block_size, (layers, heads, head_dim))
+        if self.states is not None:
+            fingerprint["state_shapes"] = [list(s) for s in self.states.part_shapes]
         disk = None
         if c.kv_cache_disk_gb and spec.supports(DISK_TIER):
             try:
@@ -252,8 +255,8 @@ class LLM:
             except OSError as e:
                 raise InvalidRequestError(f"kv_cache_disk_dir {root}: {e.strerror or e}") from None
             weakref.finalize(self, disk.close)  # what is queued is written before the process ends
-        sessions = SessionStore(root / "sessions", fingerprint, self.kv_cache, int(c.kv_cache_sessions_gb * 2**30)) \
-            if spec.supports(SESSIONS) else None
+        sessions = SessionStore(root / "sessions", fingerprint, self.kv_cache, int(c.kv_cache_sessions_gb * 2**30),
+                                self.states) if spec.supports(SESSIONS) else None
         return disk, sessions
 
     def _start_tensor_parallel(self, files: ModelFiles, num_blocks: int, vocab_limit: int,

@@ -22,8 +22,8 @@ from ..errors import UnsupportedModelError
 from . import bert, gemma, gpt_oss, lfm2, llama, mamba, mamba1, mamba_tensors, qwen3_next, qwen3_next_weights
 from .names import FUSED_GATE_UP, FUSED_QKV, is_norm
 
-# Engine features a family may lack (a recurrent state is not sharded across ranks, written to the
-# disk tier or a saved session, nor rolled back as a draft model's must be).
+# Engine features a family may lack (a recurrent state is not sharded across ranks, nor rolled back
+# as a draft model's must be; it is written to the disk tier and saved sessions beside the blocks).
 TENSOR_PARALLEL, DISK_TIER, SESSIONS, DRAFT_MODEL = "tensor_parallel", "disk_tier", "sessions", "draft_model"
 ALL_FEATURES = frozenset({TENSOR_PARALLEL, DISK_TIER, SESSIONS, DRAFT_MODEL})
 
@@ -109,8 +109,9 @@ class ArchSpec:
         return self.label(c) if self.label is not None else self.name
 
 
-_RECURRENT = frozenset()  # a recurrent state is kept in RAM and never rolled back; split across ranks where the
-#                           family's mixers say how (LFM2's convolutions by channels, Mamba2's heads)
+# a recurrent state is kept in RAM, on disk and in sessions, and never rolled back; split across ranks where
+# the family's mixers say how (LFM2's convolutions by channels, Mamba2's heads: TENSOR_PARALLEL below)
+_RECURRENT = frozenset({DISK_TIER, SESSIONS})
 _QWEN3_NEXT_NAMES = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "linear_attn.in_proj_qkvz.weight": "ssm_in.weight",  # brought to the converter's form: qwen3_next_weights.py

@@ -8,12 +8,13 @@ block is ever written, so that is the one place copy-on-write is needed.
 A model with recurrent layers also has a state pool (kv/state_pool.py), kept here beside the
 blocks: a sequence's `state_slot` moves with its computed tokens. Each step writes its states to
 fresh slots (`state_saves`, taken when the step's room is), and `commit` keeps the one at the
-tokens computed; a prompt's last block boundary is checkpointed for the prefix cache, and a
-prefix hit starts from the deepest cached block that has a checkpoint.
+tokens computed; a prompt's last block boundary is checkpointed for the prefix cache (and written
+to the disk tier), and a prefix hit starts from the deepest cached block that has a checkpoint, in
+RAM or on disk.
 """
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -42,6 +43,8 @@ class BlockStore(Protocol):
     def store(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None: ...
     def load(self, block_hash: bytes, token_ids: tuple[int, ...]) -> list[torch.Tensor] | None: ...
     def write_block(self, block_id: int, parts: list[torch.Tensor]) -> None: ...
+    def store_state(self, block_hash: bytes, read_state: Callable[[], list[torch.Tensor]], nbytes: int) -> None: ...
+    def load_state(self, block_hash: bytes, shapes: list[tuple[int, ...]]) -> list[torch.Tensor] | None: ...
     def stats_dict(self) -> dict: ...
     def set_engine_idle(self, idle: bool) -> None: ...
 
@@ -168,6 +171,8 @@ class BlockManager:
             states.checkpoint_queries += 1
         for i in range(len(hits), 0, -1):
             found = states.lookup(hits[i - 1].hash)
+            if found is None and self.disk is not None:
+                found = self._state_from_disk(hits[i - 1].hash)
             if found is not None:
                 keep, slot = i, found
                 states.checkpoint_hits += 1
@@ -175,6 +180,13 @@ class BlockManager:
         for block in reversed(hits[keep:]):
             self.pool.release(block)
         return hits[:keep], slot
+
+    def _state_from_disk(self, block_hash: bytes) -> int | None:
+        """The disk tier's state after the block `block_hash`, made a checkpoint (its slot)."""
+        if self.states.max_checkpoints == 0 or self.states.num_free == 0:
+            return None
+        parts = self.disk.load_state(block_hash, self.states.part_shapes)
+        return None if parts is None else self.states.restore_checkpoint(block_hash, parts)
 
     def _state_saves_needed(self, seq: PagedSequence, computed: int, num_new: int, num_draft: int) -> list[int]:
         """The k (tokens into the step) after which a step of `num_new` tokens from `computed`, the
@@ -210,7 +222,10 @@ class BlockManager:
             if k == num_new_tokens:
                 kept = slot
             if seq.state_checkpoint_at and start + k == seq.state_checkpoint_at and k <= num_new_tokens:
-                states.checkpoint(seq.block_hashes[seq.state_checkpoint_at // self.block_size - 1], slot)
+                block_hash = seq.block_hashes[seq.state_checkpoint_at // self.block_size - 1]
+                states.checkpoint(block_hash, slot)
+                if self.disk is not None and block_hash in states.checkpoints:
+                    self.disk.store_state(block_hash, lambda s=slot: states.read_slot(s), states.slot_bytes)
         assert kept is not None, f"no state was kept after {num_new_tokens} tokens of the step"
         states.retain(kept)
         states.release(seq.state_slot)

@@ -16,6 +16,12 @@ each checked before use: its engine fingerprint, its key, its tokens, its checks
 fails is counted (`bad`), removed, and its block computed again (and written anew); a file gone
 (another process evicted it) is a miss.
 
+A model with recurrent layers also needs the state after a cached prefix (kv/state_pool.py): each
+state checkpoint the prefix cache keeps (the state at a prompt's last block boundary) is written too,
+one file of its own (`STATE_SUFFIX`, the same format and checks), named by the chained hash of the
+block it ends. A prefix found in RAM or here is used up to its deepest block with a state, in RAM or
+here; a state file that fails its checks is counted (`bad`), removed, and its tokens computed again.
+
 A file is named by its key, SHA-256 over the engine fingerprint's digest and the chained block
 hash, so engines with different weights or page dtypes sharing one folder never read each other's
 blocks, nor do requests with different `cache_salt` (the salt roots the hash chain). Several
@@ -33,6 +39,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -42,6 +49,7 @@ from .kv_file import KVFileError, fingerprint_digest, read, write_atomic
 logger = logging.getLogger("wallbreaker.kv")
 
 SUFFIX = ".kvb"
+STATE_SUFFIX = ".kvst"
 MAX_PENDING_BYTES = 512 * 2**20  # pages copied out and not yet written; beyond, new blocks are not written
 EVICT_TO = 0.9  # eviction frees down to this share of the quota, so it does not run at every write
 STALE_TMP_S = 3600.0  # a temporary file this old was left by a process that died while writing
@@ -58,6 +66,8 @@ class DiskStats:
     writes_dropped: int = 0  # blocks not written: the writer was behind, or a block exceeds the quota
     write_errors: int = 0  # writes that failed (a full disk, a read-only folder)
     evicted: int = 0  # files removed to keep within the quota
+    states_read: int = 0  # recurrent states read from disk (as prefix-cache checkpoints)
+    states_written: int = 0
 
     def as_dict(self) -> dict:
         """`kv_disk_<count>`: the names `stats()` and the server's snapshot use."""
@@ -73,8 +83,8 @@ class DiskKVCache:
         self.kv_cache = kv_cache
         self.stats = DiskStats()
         self._digest = fingerprint_digest(fingerprint)
-        self._on_disk: set[bytes] = set()  # block hashes this process wrote or read (not written again)
-        self._queue: queue.Queue[tuple[bytes, tuple[int, ...], list[torch.Tensor], int] | None] = queue.Queue()
+        self._on_disk: set[bytes] = set()  # block hashes (b"S" + hash: states) this process wrote or read
+        self._queue: queue.Queue[tuple[bytes, Path, dict, list[torch.Tensor], int] | None] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._used_bytes: int | None = None  # the folder's size, as the writer last counted it
@@ -86,19 +96,58 @@ class DiskKVCache:
     def path(self, block_hash: bytes) -> Path:
         return self.directory / (hashlib.sha256(self._digest + block_hash).hexdigest()[:48] + SUFFIX)
 
+    def state_path(self, block_hash: bytes) -> Path:
+        return self.directory / (hashlib.sha256(self._digest + b"state" + block_hash).hexdigest()[:48] + STATE_SUFFIX)
+
     def store(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
         """Queue a newly full block for writing (its pages copied now: the slots may be reused)."""
-        if block_hash in self._on_disk:
+        header = {"block_hash": block_hash.hex(), "token_ids": list(token_ids)}
+        self._enqueue(block_hash, self.path(block_hash), header, self.kv_cache.block_nbytes,
+                      lambda: self.kv_cache.read_block(block_id))
+
+    def store_state(self, block_hash: bytes, read_state: Callable[[], list[torch.Tensor]], nbytes: int) -> None:
+        """Queue the recurrent state after the block `block_hash` (a prefix-cache checkpoint) for
+        writing; `read_state` copies it now (its slot may be reused)."""
+        self._enqueue(b"S" + block_hash, self.state_path(block_hash), {"kind": "state", "block_hash": block_hash.hex()},
+                      nbytes, read_state)
+
+    def _enqueue(self, key: bytes, path: Path, header: dict, size: int,
+                 read_parts: Callable[[], list[torch.Tensor]]) -> None:
+        """Queue a file for the writer (`key`: what `_on_disk` knows it by)."""
+        if key in self._on_disk:
             return
-        size = self.kv_cache.block_nbytes
         with self._lock:
             if self._pending_bytes + size > MAX_PENDING_BYTES or size > self.max_bytes:
                 self.stats.writes_dropped += 1
                 return
             self._pending_bytes += size
-        self._on_disk.add(block_hash)
+        self._on_disk.add(key)
         self._start_writer()
-        self._queue.put((block_hash, token_ids, self.kv_cache.read_block(block_id), size))
+        self._queue.put((key, path, header, read_parts(), size))
+
+    def load_state(self, block_hash: bytes, shapes: list[tuple[int, ...]]) -> list[torch.Tensor] | None:
+        """The recurrent state after the block `block_hash`, checked (float32 parts of `shapes`);
+        None where there is none or its file is bad (then removed: the tokens are computed again)."""
+        path = self.state_path(block_hash)
+        try:
+            header, parts, size = read(path, self.fingerprint)
+            if header.get("kind") != "state" or header.get("block_hash") != block_hash.hex():
+                raise KVFileError("it holds another state (its key differs)")
+            if [tuple(p.shape) for p in parts] != shapes or any(p.dtype != torch.float32 for p in parts):
+                raise KVFileError("its state has another shape or dtype")
+        except FileNotFoundError:
+            return None
+        except (KVFileError, OSError) as e:
+            self.stats.bad += 1
+            logger.warning("KV disk cache: recurrent state file %s is not usable (%s); its tokens are computed again",
+                           path.name, e)
+            _remove(path)
+            return None
+        self.stats.states_read += 1
+        self.stats.bytes_read += size
+        self._on_disk.add(b"S" + block_hash)
+        _touch(path)
+        return parts
 
     def load(self, block_hash: bytes, token_ids: tuple[int, ...]) -> list[torch.Tensor] | None:
         """The pages of the block with this key and these tokens, checked; None on a miss or a bad file."""
@@ -123,10 +172,7 @@ class DiskKVCache:
         self.stats.hits += 1
         self.stats.bytes_read += size
         self._on_disk.add(block_hash)
-        try:
-            os.utime(path)  # most recently used
-        except OSError:
-            pass
+        _touch(path)
         return parts
 
     def set_engine_idle(self, idle: bool) -> None:
@@ -175,26 +221,28 @@ class DiskKVCache:
             item = self._queue.get()
             if item is None:
                 return
-            block_hash, token_ids, parts, size = item
+            key, path, header, parts, size = item
             while not self._engine_idle.wait(0.05):
                 with self._lock:
                     if self._pending_bytes > MAX_PENDING_BYTES // 2:
                         break
             try:
-                self._write(block_hash, token_ids, parts)
+                self._write(path, header, parts)
             except Exception as e:  # a full disk, a read-only folder, a folder removed under us
                 self.stats.write_errors += 1
-                self._on_disk.discard(block_hash)
+                self._on_disk.discard(key)
                 logger.warning("KV disk cache: cannot write a block to %s (%s)", self.directory, e)
             finally:
                 with self._lock:
                     self._pending_bytes -= size
 
-    def _write(self, block_hash: bytes, token_ids: tuple[int, ...], parts: list[torch.Tensor]) -> None:
-        path = self.path(block_hash)  # replaced if there: a file this process did not read is one it could not use
-        header = {"fingerprint": self.fingerprint, "block_hash": block_hash.hex(), "token_ids": list(token_ids)}
-        written = write_atomic(path, header, parts)
-        self.stats.blocks_written += 1
+    def _write(self, path: Path, header: dict, parts: list[torch.Tensor]) -> None:
+        # replaced if there: a file this process did not read is one it could not use
+        written = write_atomic(path, {"fingerprint": self.fingerprint, **header}, parts)
+        if header.get("kind") == "state":
+            self.stats.states_written += 1
+        else:
+            self.stats.blocks_written += 1
         self.stats.bytes_written += written
         if self._used_bytes is None:
             self._used_bytes = self._folder_bytes()
@@ -215,7 +263,7 @@ class DiskKVCache:
                 st = entry.stat()
             except OSError:
                 continue  # removed meanwhile
-            if entry.name.endswith(SUFFIX):
+            if entry.name.endswith((SUFFIX, STATE_SUFFIX)):
                 entries.append((st.st_mtime, st.st_size, Path(entry.path)))
             elif entry.name.startswith(".") and ".tmp-" in entry.name and now - st.st_mtime > STALE_TMP_S:
                 _remove(Path(entry.path))
@@ -241,6 +289,14 @@ def _remove(path: Path) -> bool:
         return True
     except OSError:
         return False
+
+
+def _touch(path: Path) -> None:
+    """Mark `path` most recently used (eviction goes by modification time)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _lowest_priority() -> None:

@@ -73,7 +73,7 @@ def check_fingerprint(theirs: object, ours: dict) -> None:
 
 def write_atomic(path: Path, header: dict, parts: list[torch.Tensor]) -> int:
     """Write `parts` (contiguous CPU tensors) under `header` to `path`, atomically. Returns the bytes written."""
-    views = [memoryview(p.contiguous().view(torch.uint8).numpy()).cast("B") for p in parts]
+    views = [memoryview(p.contiguous().view(torch.uint8).reshape(-1).numpy()) for p in parts]  # 1-D bytes, even empty
     crc = 0
     for v in views:
         crc = zlib.crc32(v, crc)

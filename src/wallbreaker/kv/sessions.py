@@ -7,7 +7,9 @@ payload. Restoring checks the file whole (fingerprint, checksum, shapes), recomp
 key from the tokens, and puts the blocks into the RAM prefix cache as free cached blocks: the next
 request that starts with those tokens (and has the same salt) hits them, as if it had computed them.
 A session written by another engine (other weights, dtype, page dtype, block size) is refused with
-the field that differs. Sessions are explicit and named, so nothing evicts them: their folder has
+the field that differs. A model with recurrent layers also needs the state after the prefix (kv/state_pool.py):
+the session then holds the blocks up to the deepest one whose state the prefix cache kept, and that
+state after them, under the same checksum; restoring makes it that block's checkpoint again. Sessions are explicit and named, so nothing evicts them: their folder has
 a quota of its own (`kv_cache_sessions_gb`), and a save that would pass it is refused, naming what
 the folder holds, rather than deleting a session someone may come back for.
 """
@@ -24,6 +26,7 @@ from .block_manager import BlockManager
 from .block_pool import Block, hash_block, salt_digest
 from .cache import KVCache
 from .kv_file import FingerprintMismatch, KVFileError, read, write_atomic
+from .state_pool import StatePool
 
 SUFFIX = ".kvs"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -49,7 +52,10 @@ class SessionInfo:
 
 
 class SessionStore:
-    def __init__(self, directory: Path, fingerprint: dict, kv_cache: KVCache, quota_bytes: int):
+    def __init__(self, directory: Path, fingerprint: dict, kv_cache: KVCache, quota_bytes: int,
+                 states: StatePool | None = None):
+        """`states`: the recurrent layers' state pool, where the model has any."""
+        self.states = states
         self.directory = Path(directory)
         self.fingerprint = fingerprint
         self.kv_cache = kv_cache
@@ -97,19 +103,36 @@ class SessionStore:
             if block is None:
                 break
             blocks.append(block)
+        state: list[torch.Tensor] = []
+        if self.states is not None and blocks:
+            blocks, state = self._with_state(blocks)
+            if not blocks:
+                raise InvalidRequestError("the prefix cache kept no recurrent state after the prompt's blocks to save "
+                                          "(prefix_state_slots=0 keeps none)", param="prompt")
         if not blocks:
             raise InvalidRequestError(f"nothing of the prompt is in the prefix cache to save (it needs at least "
                                       f"{manager.block_size} tokens, one full block)", param="prompt")
         pages = [self.kv_cache.read_block(b.block_id) for b in blocks]
         parts = [torch.stack([p[i] for p in pages]) for i in range(len(pages[0]))]  # [blocks, ...] each
+        parts += state
         root = salt_digest(cache_salt)
         num_tokens = len(blocks) * manager.block_size
         self._check_room(name, sum(p.numel() * p.element_size() for p in parts))
         header = {"fingerprint": self.fingerprint, "kind": "session", "name": name,
-                  "salt_root": root.hex() if root is not None else None, "token_ids": token_ids[:num_tokens]}
+                  "salt_root": root.hex() if root is not None else None, "token_ids": token_ids[:num_tokens],
+                  "state_parts": len(state)}
         self.directory.mkdir(parents=True, exist_ok=True)
         nbytes = write_atomic(path, header, parts)
         return SessionInfo(name, num_tokens, len(blocks), nbytes)
+
+    def _with_state(self, blocks: list[Block]) -> tuple[list[Block], list[torch.Tensor]]:
+        """`blocks` cut to the deepest one with a state checkpoint, and a copy of that state (none:
+        no blocks)."""
+        for depth in range(len(blocks), 0, -1):
+            slot = self.states.checkpoints.get(blocks[depth - 1].hash)
+            if slot is not None:
+                return blocks[:depth], self.states.read_slot(slot)
+        return [], []
 
     def load(self, name: str, manager: BlockManager) -> tuple[SessionInfo, list[int]]:
         """Put session `name`'s blocks into the RAM prefix cache, as far as the pool has room; the
@@ -123,9 +146,15 @@ class SessionStore:
             raise InvalidRequestError(f"session {name!r} cannot be restored into this engine: {e}", param="name") from None
         except (KVFileError, OSError) as e:
             raise InvalidRequestError(f"session {name!r} is not usable: {e}", param="name") from None
-        token_ids, root = header.get("token_ids"), header.get("salt_root")
+        token_ids, root, num_state = header.get("token_ids"), header.get("salt_root"), header.get("state_parts", 0)
         bs = manager.block_size
         try:
+            want_state = self.states.part_shapes if self.states is not None else []
+            if num_state != len(want_state) or not isinstance(num_state, int) or num_state > len(parts):
+                raise ValueError("its recurrent state does not match this engine's layers")
+            parts, state = parts[:len(parts) - num_state], parts[len(parts) - num_state:]
+            if [tuple(p.shape) for p in state] != want_state or any(p.dtype != torch.float32 for p in state):
+                raise ValueError("its recurrent state has another shape or dtype")
             root_bytes = bytes.fromhex(root) if root is not None else None
             if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
                 raise ValueError("bad token ids")
@@ -151,6 +180,10 @@ class SessionStore:
             else:
                 break
             held.append(block)
+        restored = len(held)
+        if self.states is not None and (restored < num_blocks or restored and self.states.restore_checkpoint(
+                held[-1].hash, state) is None):
+            restored = 0  # without the state after them, the blocks cannot start a prompt
         for block in reversed(held):  # the first block freed last: the last the pool evicts
             pool.release(block)
-        return SessionInfo(name, len(held) * bs, len(held), nbytes), token_ids
+        return SessionInfo(name, restored * bs, restored, nbytes), token_ids

@@ -73,6 +73,33 @@ class StatePool:
         self.ref_counts[slot] = 1
         return slot
 
+    def read_slot(self, slot: int) -> list[torch.Tensor]:
+        """Copies of `slot`'s state in host memory, each layer's kinds in order: what a file of it holds."""
+        return [t[slot].to("cpu", copy=True) for kinds in self.layers for t in kinds]
+
+    def write_slot(self, slot: int, parts: list[torch.Tensor]) -> None:
+        """Set `slot` (a fresh one, not yet read by a step) from `read_slot`'s parts."""
+        for t, part in zip((t for kinds in self.layers for t in kinds), parts, strict=True):
+            t[slot].copy_(part)
+
+    @property
+    def part_shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(shape) for shapes in self.layer_shapes for shape in shapes]
+
+    def restore_checkpoint(self, block_hash: bytes, parts: list[torch.Tensor]) -> int | None:
+        """Keep a state read from a file as the checkpoint of `block_hash`; its slot, or None where
+        no slot is free or checkpoints are off."""
+        if self.max_checkpoints == 0 or self.num_free == 0:
+            return None
+        found = self.checkpoints.get(block_hash)
+        if found is not None:
+            return found
+        slot = self.allocate()
+        self.write_slot(slot, parts)
+        self.checkpoint(block_hash, slot)
+        self.release(slot)  # the checkpoint's reference is the one left
+        return slot
+
     def retain(self, slot: int) -> None:
         if slot != ZERO_SLOT:
             self.ref_counts[slot] += 1
