@@ -385,6 +385,21 @@ def test_mxfp4_experts_match_transformers(mxfp4_folder, llamacpp_converter, sour
         assert_greedy_matches(reference, prompt, out)
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_mxfp4_experts_run_on_the_kernels_with_their_stored_values(mxfp4_folder, llamacpp_converter, source):
+    """On the auto path MXFP4 experts become Q5_0 blocks holding the same values (not Q8_0 of them):
+    each expert's blocks dequantize to the float path's weights bit for bit."""
+    from gguf import GGMLQuantizationType
+    from llamacpp_converter import convert
+    path = mxfp4_folder if source == "hf" else convert(llamacpp_converter, mxfp4_folder, "f32",
+                                                       mxfp4_folder.parent / "gpt-oss-mxfp4.gguf")
+    exact, packed = make_llm(path).model.layers[0].mlp, make_llm(path, dtype="auto").model.layers[0].mlp
+    for e in range(len(exact.gate_up)):
+        for ours, want in ((packed.gate_up[e], exact.gate_up[e]), (packed.down[e], exact.down[e])):
+            assert ours.qtypes == [int(GGMLQuantizationType.Q5_0)] * len(ours.qtypes)
+            assert torch.equal(ours.dequantize(), want.weight)
+
+
 def test_sinks_over_int8_pages_with_offsets_are_the_dequantized_attention():
     """int8 pages of K far from zero (a K bias: the page stands for page * scale + offset, and the
     offset is left out of SDPA's keys): the paged kernel and both SDPA paths give attention with sinks

@@ -24,7 +24,7 @@ from test_dequant import F16_FIELDS
 
 from wallbreaker import LLM, kernels
 from wallbreaker.formats.dequant import block_info
-from wallbreaker.kernels.blocks import q4_1_blocks, q8_0_blocks
+from wallbreaker.kernels.blocks import q4_1_blocks, q5_0_exact_blocks, q8_0_blocks
 from wallbreaker.layers.linear import QuantLinear, module_bytes
 from wallbreaker.formats.grid import QuantizedTensor
 
@@ -343,6 +343,20 @@ def test_int_grids_map_onto_q4_1(bits, group):
     ours = torch.from_numpy(np.array(gguf.quants.dequantize(blocks.numpy(), T.Q4_1))).reshape(n, k)
     torch.testing.assert_close(ours, q.dequantize(), rtol=0, atol=q.dequantize().abs().max().item() * 2 ** -10)
     assert q4_1_blocks(QuantizedTensor(q.codes, q.scales, q.zeros, 8, group)) is None
+
+
+def test_mxfp4_values_map_onto_q5_0_exactly():
+    """gguf's MXFP4 blocks (scales 2^-18 .. 2^1, all-zero blocks among them): the Q5_0 blocks made of
+    their values dequantize, by gguf, to the same floats; values off such a grid get None."""
+    rng = np.random.default_rng(4)
+    raw = rng.integers(0, 256, size=(6, 8, 17), dtype=np.uint8)
+    raw[..., 0] = rng.integers(110, 130, size=(6, 8))
+    raw[0, 0, 1:] = 0
+    values = gguf.quants.dequantize(raw.reshape(6, -1), T.MXFP4)
+    blocks = q5_0_exact_blocks(torch.from_numpy(values.copy()))
+    assert np.array_equal(gguf.quants.dequantize(blocks.numpy(), T.Q5_0), values)
+    assert q5_0_exact_blocks(torch.from_numpy(values * 1.1)) is None
+    assert q5_0_exact_blocks(torch.from_numpy(values * 2.0 ** -30)) is None  # d below float16's range
 
 
 # -- the auto path ------------------------------------------------------------------------------

@@ -7,6 +7,9 @@ the `auto` path runs through the kernels.
 - `q4_1_blocks`: a grid of <= 4-bit codes with a scale and zero point per group of a multiple of
   32 columns, (q - z)·s -> Q4_1 with d = s, m = -z·s: the same codes and scale, only m rounded to
   float16 (relative error 2^-11 of m).
+- `q5_0_exact_blocks`: a weight every 32-block of which is a power of two times integers of at most
+  15 in size (MXFP4's e2m1 values, 2^e times 0, +-0.5, ... +-6, are that) -> Q5_0 blocks that hold it
+  exactly, or None: MXFP4 experts run on the kernels with their stored values, at 22 bytes a block.
 - `random_blocks`: random codes with scales of a trained model's size, as stored, for benchmarks,
   the random-weight models of measure/random_model.py and the tile tuner (kernels/tuning.py).
 """
@@ -46,6 +49,28 @@ def q4_1_blocks(q: QuantizedTensor) -> torch.Tensor | None:
     out[..., 0:2] = s.to(torch.float16).view(torch.uint8).view(n, k // 32, 2)
     out[..., 2:4] = (-z * s).to(torch.float16).view(torch.uint8).view(n, k // 32, 2)
     out[..., 4:] = codes[..., :16] | (codes[..., 16:] << 4)
+    return out.view(n, -1)
+
+
+def q5_0_exact_blocks(w: torch.Tensor) -> torch.Tensor | None:
+    """[N, K] float (K % 32 == 0) -> [N, K/32 * 22] uint8 Q5_0 blocks (d, then the 32 high bits, then
+    the low nibbles of codes j and j + 16 in byte j) whose values equal w exactly; None where a block
+    has no such form. Each block's d is the smallest power of two with max|w| / d <= 15; w / d must
+    then be whole numbers, and d a float16."""
+    n, k = w.shape
+    b = w.float().reshape(n, k // 32, 32)
+    mantissa, exponent = torch.frexp(b.abs().amax(dim=-1, keepdim=True) / 15)  # max / 15 = m 2^e, m in [0.5, 1)
+    d = torch.ldexp(torch.ones_like(mantissa), exponent - (mantissa == 0.5).int()).to(torch.float16)
+    d = torch.where(mantissa == 0, torch.ones_like(d), d)  # an all-zero block
+    q = torch.round(b / d.float())
+    if not (torch.equal(q * d.float(), b) and bool((q.abs() <= 15).all())):
+        return None
+    u = (q + 16).to(torch.int64)  # [n, blocks, 32] in 1..31
+    high = (((u >> 4) & 1) << torch.arange(32)).sum(-1, keepdim=True)  # bit j: code j's fifth bit
+    out = torch.empty(n, k // 32, 22, dtype=torch.uint8)
+    out[..., 0:2] = d.view(torch.uint8).view(n, k // 32, 2)
+    out[..., 2:6] = ((high >> torch.tensor([0, 8, 16, 24])) & 0xFF).to(torch.uint8)
+    out[..., 6:] = ((u[..., :16] & 0xF) | ((u[..., 16:] & 0xF) << 4)).to(torch.uint8)
     return out.view(n, -1)
 
 

@@ -32,7 +32,7 @@ from ..formats.mapping import as_tensor, map_file
 
 logger = logging.getLogger("wallbreaker.kernels")
 
-LAYOUT_VERSION = 1  # bump with any change to `pack_rows` or to what a load packs
+LAYOUT_VERSION = 2  # bump with any change to `pack_rows` or to what a load packs
 MAGIC = b"WBPACK01"
 TRAILER = struct.Struct("<QQ8s")  # index offset, index length, magic
 ALIGN = 4096  # each tensor starts on a page

@@ -1,7 +1,7 @@
 """How a model pulls its weights: as float tensors in the compute dtype (the exact path), or with
 linear layers kept as GGUF blocks and run by our kernels (the `auto` path, wallbreaker.kernels):
 weights stored in a covered block format keep their stored blocks; others get blocks at load
-(kernels/blocks.py: Q4_1 for <= 4-bit int-code grids, else Q8_0).
+(kernels/blocks.py: Q4_1 for <= 4-bit int-code grids, Q5_0 for MXFP4's values, else Q8_0).
 
 With tensor parallelism (`shard` set) each layer reads only this rank's rows or columns, and the
 layers that must talk across ranks come wrapped (layers/parallel.py); without, the hints are ignored.
@@ -21,7 +21,7 @@ from .. import kernels as qk
 from ..formats.mapping import release_pages
 from ..formats.weights import WeightRef
 from ..kernels import SUPPORTED_TYPES
-from ..kernels.blocks import q4_1_blocks, q8_0_blocks
+from ..kernels.blocks import q4_1_blocks, q5_0_exact_blocks, q8_0_blocks
 from ..kernels.repack_cache import RepackCache
 from ..layers.embedding import Embedding, QuantizedEmbedding
 from ..layers.linear import Linear, QuantLinear
@@ -42,6 +42,7 @@ class Segment:
     qtype: T | None  # the stored blocks' type, where the kernels run it
     mapped: bool  # `blocks()` is a view of the file's mapping already in the kernels' layout
     raw: np.ndarray | None  # the stored bytes, whose mapped pages are given back once packed elsewhere
+    fp4: bool = False  # stored as MXFP4, whose values Q5_0 holds exactly (kernels/blocks.py)
 
 
 def _stored_type(ref: WeightRef) -> T | None:
@@ -141,7 +142,7 @@ class WeightSource:
         mapped = blocks is not None and ref.blocks_mapped and qk.layout_is_stored(qtype) and (whole or dim == 0)
         key = ref.name if whole else f"{ref.name}[{dim}:{lo}:{hi}]"
         raw = ref.raw if isinstance(ref.raw, np.ndarray) else None
-        return Segment(key, load, blocks, grid, qtype, mapped, raw)
+        return Segment(key, load, blocks, grid, qtype, mapped, raw, ref.stored_type == "MXFP4")
 
     def _fused(self, segments: list[Segment], in_features: int, bias: torch.Tensor | None) -> nn.Module:
         bias = None if bias is None else bias.to(self.dtype)
@@ -161,7 +162,8 @@ class WeightSource:
 
     @staticmethod
     def _packed_blocks(seg: Segment) -> tuple[torch.Tensor, T]:
-        """The stored blocks; else Q4_1 of a <= 4-bit grid; else Q8_0 of the float values; packed.
+        """The stored blocks; else Q4_1 of a <= 4-bit grid; else Q5_0 of MXFP4's values (the same
+        values); else Q8_0 of the float values; packed.
         The file's pages read for it are given back: the packed copy is what the model reads."""
         stored = seg.blocks() if seg.blocks is not None else None
         if stored is not None:
@@ -173,7 +175,11 @@ class WeightSource:
             q4 = q4_1_blocks(seg.grid())
             if q4 is not None:
                 return qk.pack_rows(q4, T.Q4_1), T.Q4_1
-        return qk.pack_rows(q8_0_blocks(seg.load()), T.Q8_0), T.Q8_0
+        values = seg.load()
+        q5 = q5_0_exact_blocks(values) if seg.fp4 else None
+        if q5 is not None:
+            return qk.pack_rows(q5, T.Q5_0), T.Q5_0
+        return qk.pack_rows(q8_0_blocks(values), T.Q8_0), T.Q8_0
 
     def embedding_and_head(self, tie_word_embeddings: bool) -> tuple[nn.Module, nn.Module]:
         """The token embedding and the output head; a tied pair shares one copy of the table."""
