@@ -440,4 +440,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_step", &delta_step, "the gated delta rule's one-token update, from slot src to slot dst",
         py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
         py::arg("beta"));
+  m.def("wkv7_step", &wkv7_step, "RWKV-7's WKV update over a few tokens of each sequence, from slot src to slots dst",
+        py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("r"), py::arg("w"), py::arg("k"), py::arg("v"),
+        py::arg("a"), py::arg("b"));
 }

@@ -284,3 +284,87 @@ torch::Tensor conv_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst
   });
   return out;
 }
+
+namespace {
+
+// A dot product of two rows in 16 lanes, added in a fixed order at the end (as ssm_row's).
+inline __attribute__((always_inline)) float dot_lanes(const float* x, const float* y, int64_t n_cols) {
+  Lanes16 part = {};
+  int64_t n = 0;
+  for (; n + kLanes <= n_cols; n += kLanes) {
+    Lanes16 xv, yv;
+    memcpy(&xv, x + n, sizeof xv);
+    memcpy(&yv, y + n, sizeof yv);
+    part += xv * yv;
+  }
+  float lanes[kLanes];
+  memcpy(lanes, &part, sizeof lanes);
+  for (int l = 0; n < n_cols; ++n, ++l) lanes[l] += x[n] * y[n];
+  float sum = 0.f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+// One (sequence, head) token of RWKV-7's WKV state [N values, N keys], from `in` to `out` (may be
+// `in`): each row i, with sa = S[i] . a, becomes S[i][j] w[j] + sa b[j] + v[i] k[j]; y[i] = S'[i] . r.
+#define WB_WKV7_HEAD(name, target)                                                                       \
+  target void name(const float* in, float* out, const float* r, const float* w, const float* k,          \
+                   const float* v, const float* a, const float* b, int64_t N, float* y) {                \
+    for (int64_t i = 0; i < N; ++i) {                                                                     \
+      const float* row = in + i * N;                                                                      \
+      float* row_out = out + i * N;                                                                       \
+      const float sa = dot_lanes(row, a, N), vi = v[i];                                                   \
+      int64_t j = 0;                                                                                      \
+      for (; j + kLanes <= N; j += kLanes) {                                                              \
+        Lanes16 s, wv, bv, kv;                                                                            \
+        memcpy(&s, row + j, sizeof s);                                                                    \
+        memcpy(&wv, w + j, sizeof wv);                                                                    \
+        memcpy(&bv, b + j, sizeof bv);                                                                    \
+        memcpy(&kv, k + j, sizeof kv);                                                                    \
+        s = s * wv + sa * bv + vi * kv;                                                                   \
+        memcpy(row_out + j, &s, sizeof s);                                                                \
+      }                                                                                                   \
+      for (; j < N; ++j) row_out[j] = row[j] * w[j] + sa * b[j] + vi * k[j];                              \
+      y[i] = dot_lanes(row_out, r, N);                                                                    \
+    }                                                                                                     \
+  }
+WB_VARIANTS(WB_WKV7_HEAD, wkv7_head)
+
+}  // namespace
+
+// RWKV-7's WKV (the generalized delta rule), state [heads, N values, N keys] per sequence:
+// S <- S diag(w) + (S a) b^T + v k^T; y = S r. w is the decay after its exp (in (0, 1)); a and b
+// are llama.cpp's: -kk and kk * iclr. r, w, k, v, a, b: [B, T, heads, N]; returns y [B, T, heads, N].
+torch::Tensor wkv7_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor r,
+                        torch::Tensor w, torch::Tensor k, torch::Tensor v, torch::Tensor a, torch::Tensor b) {
+  const int64_t batch = r.size(0), steps = r.size(1);
+  const int64_t heads = pool.size(1), N = pool.size(2);
+  check_pool(pool, src, dst, batch, steps, "wkv7_step");
+  TORCH_CHECK(pool.size(3) == N, "wkv7_step: the state must be square [heads, N, N]");
+  const torch::Tensor* inputs[] = {&r, &w, &k, &v, &a, &b};
+  const char* names[] = {"r", "w", "k", "v", "a", "b"};
+  for (int n = 0; n < 6; ++n) check_f32(*inputs[n], {batch, steps, heads, N}, names[n]);
+  auto y = torch::empty_like(r);
+  float* pool_p = pool.data_ptr<float>();
+  const float *r_p = r.data_ptr<float>(), *w_p = w.data_ptr<float>(), *k_p = k.data_ptr<float>();
+  const float *v_p = v.data_ptr<float>(), *a_p = a.data_ptr<float>(), *b_p = b.data_ptr<float>();
+  const int64_t *src_p = src.data_ptr<int64_t>(), *dst_p = dst.data_ptr<int64_t>();
+  float* y_p = y.data_ptr<float>();
+  const int64_t state_size = N * N;
+  const auto head = wkv7_head_for_level();
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> state(state_size);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bi = i / heads, h = i % heads;
+      const float* in = pool_p + (src_p[bi] * heads + h) * state_size;
+      for (int64_t t = 0; t < steps; ++t) {
+        const int64_t bt = bi * steps + t, slot = dst_p[bt], o = (bt * heads + h) * N;
+        head(t == 0 ? in : state.data(), state.data(), r_p + o, w_p + o, k_p + o, v_p + o, a_p + o, b_p + o, N,
+             y_p + o);
+        if (slot >= 0) store_state(pool_p + (slot * heads + h) * state_size, state.data(), state_size);
+      }
+    }
+    store_fence();
+  });
+  return y;
+}

@@ -28,6 +28,8 @@ torch::Tensor conv_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst
                         torch::Tensor weight, c10::optional<torch::Tensor> bias, bool silu);
 torch::Tensor delta_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor q, torch::Tensor k,
                          torch::Tensor v, torch::Tensor g, torch::Tensor beta);
+torch::Tensor wkv7_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor r, torch::Tensor w,
+                        torch::Tensor k, torch::Tensor v, torch::Tensor a, torch::Tensor b);
 
 // fused_ops.cpp
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& w, double eps);
