@@ -16,7 +16,7 @@ MAX_SIZE = 2**63
 ATTENTION_LAYER_TYPES = ("full", "sliding")
 # recurrent layers (layers/recurrent.py): LFM2's gated short convolution, a Mamba2 mixer, a gated delta net,
 # a Mamba (v1) mixer
-RECURRENT_LAYER_TYPES = ("conv", "mamba2", "linear_attention", "mamba")
+RECURRENT_LAYER_TYPES = ("conv", "mamba2", "linear_attention", "mamba", "rwkv7")
 LAYER_TYPES = ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
 POOLING_METHODS = ("mean", "cls", "last")
@@ -233,6 +233,9 @@ class ModelConfig:
     # ssm_bc_norm_eps (None: no such norms).
     ssm_time_step_rank: int = 0
     ssm_bc_norm_eps: float | None = None
+    # RWKV-7 (layers/rwkv7.py): heads of head_dim channels; the ranks of its low-rank projections of the
+    # decay, the in-context learning rate, the value residual mix and the output gate
+    rwkv_lora_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         """Refuse what no model can be, whichever loader read it: a loader turns the ValueError into
@@ -302,6 +305,11 @@ class ModelConfig:
                 _positive_float("ssm_bc_norm_eps", self.ssm_bc_norm_eps)
             if not isinstance(self.ssm_conv_bias, bool):
                 raise ConfigError("ssm_conv_bias", f"ssm_conv_bias must be true or false, got {short_repr(self.ssm_conv_bias)}")
+        if "rwkv7" in self.layer_types:
+            ranks = self.rwkv_lora_ranks
+            if not (isinstance(ranks, tuple) and len(ranks) == 4 and all(_is_int(r) and r > 0 for r in ranks)):
+                raise ConfigError("rwkv_lora_ranks", f"rwkv_lora_ranks must be four positive integers, got "
+                                                     f"{short_repr(ranks)}")
 
     def _check_mamba2(self) -> None:
         for name in ("ssm_num_heads", "ssm_head_dim", "ssm_num_groups", "ssm_state_size", "ssm_conv_kernel",
@@ -369,7 +377,8 @@ class ModelConfig:
         account the state pool, `inspect` and the roofline size from (the runner checks each
         mixer's own `state_shapes` against it). LFM2: the last conv_kernel - 1 inputs; Mamba2: those
         of xBC, then S [heads, head_dim, d_state]; a gated delta net: those of q|k|v (channel-major),
-        then S [value heads, k_dim, v_dim]; Mamba: those of x, then S [intermediate, d_state]."""
+        then S [value heads, k_dim, v_dim]; Mamba: those of x, then S [intermediate, d_state]; RWKV-7: the
+        time mix's last input, its WKV state [heads, values, keys], the channel mix's last input."""
         kind = self.layer_types[layer] if self.layer_types else "full"
         if kind == "conv":
             return [(self.conv_kernel - 1, self.hidden_size)]
@@ -378,6 +387,8 @@ class ModelConfig:
             return [(self.ssm_conv_kernel - 1, conv_dim), (self.ssm_num_heads, self.ssm_head_dim, self.ssm_state_size)]
         if kind == "mamba":
             return [(self.ssm_conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.ssm_state_size)]
+        if kind == "rwkv7":
+            return [(1, self.hidden_size), (self.num_heads, self.head_dim, self.head_dim), (1, self.hidden_size)]
         if kind == "linear_attention":
             channels = 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
                 self.linear_num_value_heads * self.linear_value_head_dim

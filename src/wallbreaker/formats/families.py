@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..config import ModelConfig, short_repr
 from ..errors import UnsupportedModelError
-from . import bert, gemma, gpt_oss, lfm2, llama, mamba, mamba1, mamba_tensors, qwen3_next, qwen3_next_weights
+from . import bert, gemma, gpt_oss, lfm2, llama, mamba, mamba1, mamba_tensors, qwen3_next, qwen3_next_weights, rwkv7
 from .names import FUSED_GATE_UP, FUSED_QKV, is_norm
 
 # Engine features a family may lack (a recurrent state is not sharded across ranks, nor rolled back
@@ -189,6 +189,11 @@ FAMILIES: tuple[ArchSpec, ...] = (
              hf_field_keys=gpt_oss.HF_FIELD_KEYS, gguf_keys=gpt_oss.GGUF_KEYS, gguf_fields=gpt_oss.gguf_fields,
              requires_experts=True, hf_tensor_names=gpt_oss.hf_tensor_names,
              hf_weights_fixup=gpt_oss.canonical_hf_weights, layer_tensors=gpt_oss.layer_tensors),
+    # RWKV-7 (formats/rwkv7.py): fla-hub's folders, llama.cpp's GGUF; LayerNorms with bias, no attention
+    ArchSpec("rwkv7", "rwkv7.Rwkv7CausalLM", ("rwkv7",), features=_RECURRENT, hf_config=rwkv7.config_from_hf,
+             gguf_config=rwkv7.config_from_gguf, hf_tensor_names=rwkv7.hf_tensor_names, hf_unread=rwkv7.HF_UNREAD,
+             hf_weights_fixup=rwkv7.canonical_hf_weights, gguf_weights_fixup=rwkv7.drop_first_value_pair,
+             layer_tensors=rwkv7.layer_tensors, gguf_write_keys=rwkv7.add_gguf_keys),
 )
 
 

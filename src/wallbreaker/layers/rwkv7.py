@@ -1,0 +1,180 @@
+"""RWKV-7 ("Goose"): a time mix whose WKV state is updated by a generalized delta rule, and a channel
+mix, each fed its input mixed with the previous token's (the token shift). As llama.cpp's
+`build_rwkv7_time_mix` and BlinkDL's `RWKV_x070_TMix_seq`, per token with x the normed input and
+xx = x_prev - x:
+
+    x_r, x_w, x_k, x_v, x_a, x_g = x + xx * mix_{r,w,k,v,a,g}
+    r = R x_r;  k = K x_k;  v = V x_v
+    w = exp(-e^-0.5 sigmoid(w0 + W2 tanh(W1 x_w)))        (the decay, in (0.545, 1))
+    a = sigmoid(a0 + A2 A1 x_a);  g = G2 sigmoid(G1 x_g)
+    kk = l2norm(k * k_k) per head;  k = k * (1 + (a - 1) k_a)
+    v = v + (v_first - v) sigmoid(v0 + V2 V1 x_v)          (v_first: layer 0's v; layer 0 keeps its own)
+    per head, S [values, keys]:  S <- S diag(w) + (S (-kk)) (kk a)^T + v k^T;  y = S r
+    out = O ((group_norm(y) + (sum(r k r_k) per head) v) * g)
+
+and the channel mix: k = x + xx * mix_k; out = V relu(K k)^2.
+
+Three states per sequence, float32: the time mix's last input [1, hidden], S [heads, N, N], the
+channel mix's last input [1, hidden]. The WKV update runs in C++ (`_C.wkv7_step`) on the pool for
+decode, verification and prompt spans up to MAX_STEP_TOKENS, in PyTorch token by token beyond; the
+token shifts are `_C.conv_step` with two taps (1 on the previous input, 0 on the token's own).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _C
+from .direct import DirectModule
+from .recurrent import scan_spans
+
+_conv_step = _C.conv_step
+_wkv7_step = _C.wkv7_step
+
+DECAY_SCALE = -0.606531  # -exp(-0.5)
+GROUP_NORM_EPS = 64e-5  # llama.cpp's and BlinkDL's, whatever the head size
+L2_EPS = 1e-12
+
+
+class LayerNorm(DirectModule):
+    """LayerNorm with bias in float32, with the residual add the next norm takes (`add_and_norm`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight, self.bias, self.eps = weight.float(), bias.float(), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.weight.shape, self.weight, self.bias, self.eps)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        if delta is not None:
+            h += delta
+        return self.forward(h)
+
+
+class TokenShift(DirectModule):
+    """The previous token's input [T, hidden] for each row, from the last input kept in `pool`
+    [num_slots, 1, hidden]."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        taps = torch.zeros(2, hidden)
+        taps[0] = 1.0  # the input one token back
+        self.taps = taps
+
+    def forward(self, x: torch.Tensor, meta, pool: torch.Tensor) -> torch.Tensor:
+        def in_pool(inputs, src, dst):
+            return _conv_step(pool, src, dst, inputs[0], self.taps, None, False)
+        return scan_spans(meta.state, [pool], (x.contiguous(),), self.step, self.chunk, in_pool)
+
+    @staticmethod
+    def step(inputs, states):
+        (x,), (last,) = inputs, states
+        return last[:, 0], [x[:, None]]
+
+    @staticmethod
+    def chunk(inputs, states):
+        (x,), (last,) = inputs, states
+        seq = torch.cat([last[0], x])  # [1 + L, hidden]
+        return seq[:-1], [seq[None, -1:]]
+
+
+@dataclass
+class TimeMixWeights:
+    """A time mix's float32 vectors and low-rank pairs (the four projections are modules of their own)."""
+
+    lerp: torch.Tensor  # [6, hidden]: r, w, k, v, a, g
+    w0: torch.Tensor
+    w1: torch.Tensor  # [rank, hidden]
+    w2: torch.Tensor  # [hidden, rank]
+    a0: torch.Tensor
+    a1: torch.Tensor
+    a2: torch.Tensor
+    g1: torch.Tensor
+    g2: torch.Tensor
+    k_k: torch.Tensor
+    k_a: torch.Tensor
+    r_k: torch.Tensor  # [heads, N]
+    ln_weight: torch.Tensor
+    ln_bias: torch.Tensor
+    v0: torch.Tensor | None = None  # the value residual's pair; None in layer 0
+    v1: torch.Tensor | None = None
+    v2: torch.Tensor | None = None
+
+
+class ValueFirst:
+    """Layer 0's value rows of the step, which the later layers' values mix in (one per model)."""
+
+    v: torch.Tensor | None = None
+
+
+class WKV7:
+    """The WKV update of a time mix on its pool [num_slots, heads, N values, N keys]."""
+
+    @staticmethod
+    def forward(inputs: tuple[torch.Tensor, ...], meta, pool: torch.Tensor) -> torch.Tensor:
+        """r, w, k, v, a, b [T, heads, N] -> y [T, heads, N]."""
+        def in_pool(inputs, src, dst):
+            return _wkv7_step(pool, src, dst, *(x.contiguous() for x in inputs))
+        return scan_spans(meta.state, [pool], inputs, WKV7.step, WKV7.chunk, in_pool)
+
+    @staticmethod
+    def step(inputs, states):
+        """One token of each of B sequences: inputs [B, heads, N], S [B, heads, N, N]."""
+        r, w, k, v, a, b = inputs
+        (s,) = states
+        s = s * w[:, :, None, :] + (s @ a[..., None]) * b[:, :, None, :] + v[..., None] * k[:, :, None, :]
+        return (s @ r[..., None])[..., 0], [s]
+
+    @staticmethod
+    def chunk(inputs, states):
+        ys = []
+        for t in range(inputs[0].shape[0]):
+            y, states = WKV7.step(tuple(x[t:t + 1] for x in inputs), states)
+            ys.append(y)
+        return torch.cat(ys), states
+
+
+class TimeMix(DirectModule):
+    def __init__(self, layer: int, heads: int, head_size: int, r: nn.Module, k: nn.Module, v: nn.Module,
+                 o: nn.Module, w: TimeMixWeights, first: ValueFirst):
+        super().__init__()
+        self.layer, self.heads, self.n = layer, heads, head_size
+        self.r_proj, self.k_proj, self.v_proj, self.o_proj = r, k, v, o
+        self.w, self.first = w, first
+        self.shift = TokenShift(heads * head_size)
+
+    def forward(self, x: torch.Tensor, meta, shift_pool: torch.Tensor, wkv_pool: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (after the layer's first norm) -> [T, hidden]."""
+        w, rows = self.w, x.shape[0]
+        xr, xw, xk, xv, xa, xg = (x + (self.shift(x, meta, shift_pool) - x) * w.lerp[:, None]).unbind(0)  # [T, hidden] each
+        r, k, v = self.r_proj(xr).float(), self.k_proj(xk).float(), self.v_proj(xv).float()
+        decay = torch.exp(DECAY_SCALE * torch.sigmoid(w.w0 + F.linear(torch.tanh(F.linear(xw, w.w1)), w.w2)))
+        a = torch.sigmoid(w.a0 + F.linear(F.linear(xa, w.a1), w.a2))
+        g = F.linear(torch.sigmoid(F.linear(xg, w.g1)), w.g2)
+        kk = F.normalize((k * w.k_k).view(rows, self.heads, self.n), dim=-1, eps=L2_EPS)
+        k = k * (1 + (a - 1) * w.k_a)
+        if w.v0 is None:
+            self.first.v = v
+        else:
+            v = v + (self.first.v - v) * torch.sigmoid(w.v0 + F.linear(F.linear(xv, w.v1), w.v2))
+        heads = (rows, self.heads, self.n)
+        r, k, v = r.view(heads), k.view(heads), v.view(heads)
+        y = WKV7.forward((r, decay.view(heads), k, v, -kk, kk * a.view(heads)), meta, wkv_pool)
+        y = F.group_norm(y.reshape(rows, -1), self.heads, w.ln_weight, w.ln_bias, GROUP_NORM_EPS)
+        y = y + ((r * k * w.r_k).sum(-1, keepdim=True) * v).reshape(rows, -1)
+        return self.o_proj(y * g)
+
+
+class ChannelMix(DirectModule):
+    def __init__(self, hidden: int, lerp_k: torch.Tensor, key: nn.Module, value: nn.Module):
+        super().__init__()
+        self.lerp_k, self.key, self.value = lerp_k.float(), key, value
+        self.shift = TokenShift(hidden)
+
+    def forward(self, x: torch.Tensor, meta, shift_pool: torch.Tensor) -> torch.Tensor:
+        k = x + (self.shift(x, meta, shift_pool) - x) * self.lerp_k
+        return self.value(torch.relu(self.key(k).float()).square())
