@@ -130,7 +130,7 @@ def with_tokenizer_of(gguf_in: Path, tokenizer_gguf: Path, gguf_out: Path) -> Pa
                 sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
                 w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
     for t in src.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type)
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
