@@ -125,12 +125,13 @@ def test_refuses_what_it_does_not_run(tmp_path, folder, gguf_f32):
 # -- the C++ WKV update ---------------------------------------------------------------------------
 @pytest.fixture(params=["generic", "avx2", "avx512"])
 def kernel_level(request):
+    before = _C.isa()
     try:
         _C.set_isa(request.param)
     except Exception:
         pytest.skip(f"this CPU has no {request.param} level")
     yield request.param
-    _C.set_isa("")
+    _C.set_isa(before)
 
 
 @pytest.mark.parametrize("steps", [1, 3])

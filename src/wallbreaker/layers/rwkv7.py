@@ -15,9 +15,10 @@ xx = x_prev - x:
 and the channel mix: k = x + xx * mix_k; out = V relu(K k)^2.
 
 Three states per sequence, float32: the time mix's last input [1, hidden], S [heads, N, N], the
-channel mix's last input [1, hidden]. The WKV update runs in C++ (`_C.wkv7_step`) on the pool for
-decode, verification and prompt spans up to MAX_STEP_TOKENS, in PyTorch token by token beyond; the
-token shifts are `_C.conv_step` with two taps (1 on the previous input, 0 on the token's own).
+channel mix's last input [1, hidden]. The WKV update runs in C++ (`_C.wkv7_step`): on the pool itself
+for decode, verification and prompt spans up to MAX_STEP_TOKENS, from a copy of the state for longer
+prompt chunks; the token shifts are `_C.conv_step` with two taps (1 on the previous input, 0 on the
+token's own).
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ class LayerNorm(DirectModule):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, eps: float):
         super().__init__()
-        self.weight, self.bias, self.eps = weight.float(), bias.float(), eps
+        self.register_buffer("weight", weight.float(), persistent=False)
+        self.register_buffer("bias", bias.float(), persistent=False)
+        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x.float(), self.weight.shape, self.weight, self.bias, self.eps)
@@ -63,20 +66,22 @@ class TokenShift(DirectModule):
         super().__init__()
         taps = torch.zeros(2, hidden)
         taps[0] = 1.0  # the input one token back
-        self.taps = taps
+        self.register_buffer("taps", taps, persistent=False)
 
     def forward(self, x: torch.Tensor, meta, pool: torch.Tensor) -> torch.Tensor:
-        def in_pool(inputs, src, dst):
+        def in_pool(inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
             return _conv_step(pool, src, dst, inputs[0], self.taps, None, False)
         return scan_spans(meta.state, [pool], (x.contiguous(),), self.step, self.chunk, in_pool)
 
     @staticmethod
-    def step(inputs, states):
+    def step(inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One token of each of B sequences: x [B, hidden], the last inputs [B, 1, hidden]."""
         (x,), (last,) = inputs, states
         return last[:, 0], [x[:, None]]
 
     @staticmethod
-    def chunk(inputs, states):
+    def chunk(inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """L tokens of one sequence: x [L, hidden], the last input [1, 1, hidden]."""
         (x,), (last,) = inputs, states
         seq = torch.cat([last[0], x])  # [1 + L, hidden]
         return seq[:-1], [seq[None, -1:]]
@@ -112,17 +117,18 @@ class ValueFirst:
 
 
 class WKV7:
-    """The WKV update of a time mix on its pool [num_slots, heads, N values, N keys]."""
+    """The WKV update of a time mix on its pool [num_slots, heads, N values, N keys]: in C++ whatever the
+    span's length (`step` is the same update in PyTorch, for single tokens cut from a long span)."""
 
     @staticmethod
     def forward(inputs: tuple[torch.Tensor, ...], meta, pool: torch.Tensor) -> torch.Tensor:
         """r, w, k, v, a, b [T, heads, N] -> y [T, heads, N]."""
-        def in_pool(inputs, src, dst):
+        def in_pool(inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
             return _wkv7_step(pool, src, dst, *(x.contiguous() for x in inputs))
         return scan_spans(meta.state, [pool], inputs, WKV7.step, WKV7.chunk, in_pool)
 
     @staticmethod
-    def step(inputs, states):
+    def step(inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One token of each of B sequences: inputs [B, heads, N], S [B, heads, N, N]."""
         r, w, k, v, a, b = inputs
         (s,) = states
@@ -130,12 +136,15 @@ class WKV7:
         return (s @ r[..., None])[..., 0], [s]
 
     @staticmethod
-    def chunk(inputs, states):
-        ys = []
-        for t in range(inputs[0].shape[0]):
-            y, states = WKV7.step(tuple(x[t:t + 1] for x in inputs), states)
-            ys.append(y)
-        return torch.cat(ys), states
+    def chunk(inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """L tokens of one sequence (inputs [L, heads, N], S [1, heads, N, N]) by the C++ update on a pool of
+        two slots: the state read from the first, the one after the last token written to the second."""
+        (s,) = states
+        pool = torch.cat([s, torch.empty_like(s)])
+        dst = torch.full((1, inputs[0].shape[0]), -1, dtype=torch.long)
+        dst[0, -1] = 1
+        y = _wkv7_step(pool, torch.zeros(1, dtype=torch.long), dst, *(x[None].contiguous() for x in inputs))
+        return y[0], [pool[1:]]
 
 
 class TimeMix(DirectModule):
@@ -172,7 +181,8 @@ class TimeMix(DirectModule):
 class ChannelMix(DirectModule):
     def __init__(self, hidden: int, lerp_k: torch.Tensor, key: nn.Module, value: nn.Module):
         super().__init__()
-        self.lerp_k, self.key, self.value = lerp_k.float(), key, value
+        self.register_buffer("lerp_k", lerp_k.float(), persistent=False)
+        self.key, self.value = key, value
         self.shift = TokenShift(hidden)
 
     def forward(self, x: torch.Tensor, meta, shift_pool: torch.Tensor) -> torch.Tensor:
