@@ -2,7 +2,7 @@
 PyTorch) on the same random weights, from fla-hub's Hugging Face layout and from llama.cpp's converter's
 GGUF of it; its WKV update in C++ (`_C.wkv7_step`, each kernel level) against BlinkDL's formula; and
 the engine's behaviours on its states (batching, chunked prefill, n-gram speculation, the prefix
-cache, preemption) giving the tokens of each request alone."""
+cache, preemption, a saved session, the disk tier) giving the tokens of each request alone."""
 from __future__ import annotations
 
 import dataclasses
@@ -245,3 +245,24 @@ def test_a_cached_prefix_and_preemption_keep_the_greedy_tokens(make, plain, prom
     small = make(max_num_seqs=4, kv_block_size=BLOCK, kv_cache_memory_gb=6 * per_state / 2**30)
     assert greedy_of(small, prompts * 2, few) == expected * 2
     assert small.stats()["num_preemptions"] > 0 and holds_only_checkpoints(small)
+
+
+def test_a_saved_session_and_the_disk_tier_carry_the_state_into_another_engine(make, plain, prompts, few, tmp_path):
+    """The long prompt's state, kept at its last block boundary, saved as a session and written to the
+    disk tier, starts its extension in a new engine with the tokens of one computed from scratch."""
+    long = prompts[2]
+    extended = long + plain.tokenizer.encode(" And what keeps a state per sequence?")
+    want = greedy_of(plain, [extended], few)[0]
+    session, disk = dict(kv_cache_disk_dir=str(tmp_path / "s")), dict(kv_cache_disk_dir=str(tmp_path / "d"),
+                                                                      kv_cache_disk_gb=0.1)
+    info = make(kv_block_size=BLOCK, **session).save_prefix({"prompt_token_ids": long}, "chat")
+    restorer = make(kv_block_size=BLOCK, **session)
+    assert restorer.load_prefix("chat").num_tokens == info.num_tokens > 0
+    writer = make(kv_block_size=BLOCK, **disk)
+    writer.generate([{"prompt_token_ids": long}], few)
+    writer.shutdown()
+    reader = make(kv_block_size=BLOCK, **disk)
+    for llm in (restorer, reader):
+        out = llm.generate([{"prompt_token_ids": extended}], few)[0]
+        assert out.outputs[0].token_ids == want and out.metrics["num_cached_prompt_tokens"] > 0
+    assert reader.stats()["kv_disk_states_read"] == 1
