@@ -148,10 +148,10 @@ class WKV7:
 
 
 class TimeMix(DirectModule):
-    def __init__(self, layer: int, heads: int, head_size: int, r: nn.Module, k: nn.Module, v: nn.Module,
-                 o: nn.Module, w: TimeMixWeights, first: ValueFirst):
+    def __init__(self, heads: int, head_size: int, r: nn.Module, k: nn.Module, v: nn.Module, o: nn.Module,
+                 w: TimeMixWeights, first: ValueFirst):
         super().__init__()
-        self.layer, self.heads, self.n = layer, heads, head_size
+        self.heads, self.n = heads, head_size
         self.r_proj, self.k_proj, self.v_proj, self.o_proj = r, k, v, o
         self.w, self.first = w, first
         self.shift = TokenShift(heads * head_size)
@@ -159,7 +159,8 @@ class TimeMix(DirectModule):
     def forward(self, x: torch.Tensor, meta, shift_pool: torch.Tensor, wkv_pool: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (after the layer's first norm) -> [T, hidden]."""
         w, rows = self.w, x.shape[0]
-        xr, xw, xk, xv, xa, xg = (x + (self.shift(x, meta, shift_pool) - x) * w.lerp[:, None]).unbind(0)  # [T, hidden] each
+        mixed = x + (self.shift(x, meta, shift_pool) - x) * w.lerp[:, None]  # [6, T, hidden]
+        xr, xw, xk, xv, xa, xg = mixed.unbind(0)
         r, k, v = self.r_proj(xr).float(), self.k_proj(xk).float(), self.v_proj(xv).float()
         decay = torch.exp(DECAY_SCALE * torch.sigmoid(w.w0 + F.linear(torch.tanh(F.linear(xw, w.w1)), w.w2)))
         a = torch.sigmoid(w.a0 + F.linear(F.linear(xa, w.a1), w.a2))

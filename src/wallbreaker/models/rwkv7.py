@@ -34,7 +34,7 @@ def time_mix(cfg: ModelConfig, layer: int, src: WeightSource, first: ValueFirst)
         r_k=small("r_k.weight").reshape(heads, n), ln_weight=small("ln.weight"), ln_bias=small("ln.bias"),
         **value_pair)
     proj = [src.linear([f"{p}{name}.weight"]) for name in ("receptance", "key", "value", "output")]
-    return TimeMix(layer, heads, n, *proj, weights, first)
+    return TimeMix(heads, n, *proj, weights, first)
 
 
 class Rwkv7Layer(RecurrentMixer):
