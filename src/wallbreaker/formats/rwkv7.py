@@ -21,6 +21,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig, short_repr
 from ..errors import ModelFormatError, UnsupportedModelError
+from .config_keys import own_gguf_keys
 from .weights import WeightRef
 
 LERPS = "rwkvag"  # the order of time_mix_lerp_fused's rows
@@ -180,20 +181,7 @@ def config_from_gguf(gf) -> ModelConfig:
     """llama.cpp's `rwkv7` keys -> ModelConfig."""
     name, arch = gf.path.name, gf.get("general.architecture")
     a = f"{arch}."
-    for key in gf.metadata:
-        if key.startswith(a) and key[len(a):] not in _GGUF_KEYS:
-            raise UnsupportedModelError(f"{name}: metadata {key} = {short_repr(gf.get(key))} is not supported "
-                                        f"(it would change the model's math)")
-
-    def value(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-        v = gf.get(a + key, default)
-        if v is ...:
-            raise ModelFormatError(f"{name}: missing metadata key {a}{key}")
-        if not isinstance(v, kind) or isinstance(v, bool):
-            raise ModelFormatError(f"{name}: metadata {a}{key} must be {getattr(kind, '__name__', kind)}, "
-                                   f"got {short_repr(v)}")
-        return v
-
+    value = own_gguf_keys(gf, _GGUF_KEYS)
     if value("token_shift_count", int, 2) != 2:
         raise UnsupportedModelError(f"{name}: metadata {a}token_shift_count {gf.get(a + 'token_shift_count')} "
                                     f"is not supported (RWKV-7 shifts twice a layer)")
