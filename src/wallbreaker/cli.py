@@ -46,6 +46,9 @@ HELP = {
     "batch_invariant": "every token's logits independent of the rest of its step: the same request gives the "
                        "same answer whatever the prefix cache, chunking, batch, speculation or preemption "
                        "(default: on; --no-batch-invariant: the float32 path's decode is faster)",
+    "enable_lora": "let requests run with LoRA adapters (PEFT folders or GGUF LoRA files; serve: --lora-modules)",
+    "max_loras": "LoRA adapters loaded at once; past it the least recently used idle one is evicted",
+    "max_lora_rank": "the highest LoRA rank an adapter may have",
     "temperature": "0 is greedy",
     "top_k": "0 or -1: off",
     "max_tokens": "tokens to generate at most",
