@@ -235,12 +235,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_hosts=tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else None,
         allowed_origins=tuple(o for o in (args.allowed_origins or "").split(",") if o.strip()))
     models = args.model or []
+    adapters = lora_modules(args.lora_modules or [])
+    if adapters:
+        args.enable_lora = True
     if args.models_dir is None and len(models) <= 1 and not any("=" in m and not os.path.exists(m) for m in models):
         args.model = models[0] if models else None  # one model, loaded now: every name means it
-        serve(build_app(load_llm(args), config), log_level=args.log_level)
+        llm = load_llm(args)
+        for name, path in adapters:
+            llm.engine.load_lora_adapter(name, path)
+        serve(build_app(llm, config), log_level=args.log_level)
         return 0
+    if adapters or args.enable_lora:
+        raise WallbreakerError("LoRA adapters are served with one model: leave out --models-dir and NAME=PATH")
     serve(build_app(model_router(args), config), log_level=args.log_level)
     return 0
+
+
+def lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """`serve --lora-modules NAME=PATH` (repeatable): each adapter's name and path."""
+    out = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise WallbreakerError(f"--lora-modules takes NAME=PATH (a PEFT folder or a GGUF LoRA file), got {spec!r}")
+        out.append((name, path))
+    return out
 
 
 def model_router(args: argparse.Namespace):
@@ -345,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", action="append", default=None,
                    help="a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2); "
                         "repeat as NAME=PATH to serve several, each loaded when a request names it")
+    p.add_argument("--lora-modules", action="append", default=None, metavar="NAME=PATH",
+                   help="serve a LoRA adapter (a PEFT folder or a GGUF LoRA file) as model NAME: the base model with "
+                        "that adapter, on every API (repeatable; implies --enable-lora; POST /v1/load_lora_adapter "
+                        "and /v1/unload_lora_adapter change them at run time)")
     p.add_argument("--models-dir", default=None,
                    help="serve every model in DIR (*.gguf files by their stem, Hugging Face folders by their name) "
                         "and the installed packaged models by name, each loaded when a request names it")

@@ -37,6 +37,7 @@ from ..llm import LLM
 from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .errors import APIError, bad_request
+from .lora_adapters import ServedAdapters
 from .metrics import ServerMetrics
 from .model_sources import DEFAULT_KEEP_ALIVE_S, FOREVER, ModelSource, parse_keep_alive
 from .ollama_models import model_entry, running_entry, show_body
@@ -131,9 +132,13 @@ class SingleModel:
 
     def __init__(self, state: ServerState):
         self.state = state
+        self.adapters = ServedAdapters(state)  # a name of one of them means the model with that adapter
+        registry = state.llm.engine.loras
+        for adapter in registry.adapters.values() if registry is not None else ():
+            self.adapters.add_view(adapter.name, adapter.path)
 
     async def acquire(self, request: Request, model: str | None, keep_alive: float | None = None) -> ServerState:
-        return self.state
+        return self.adapters.view(model) or self.state
 
     async def preload(self, request: Request, model: str | None, keep_alive: Any) -> None:
         _keep_alive_of(keep_alive)  # checked; the model stays loaded while the server runs
@@ -145,7 +150,9 @@ class SingleModel:
         return [self.state]
 
     def cards(self) -> list[ModelCard]:
-        return [ModelCard(id=self.state.model_name, max_model_len=self.state.llm.max_model_len)]
+        base = self.state.model_name
+        return [ModelCard(id=base, max_model_len=self.state.llm.max_model_len)] + \
+            [ModelCard(id=name, max_model_len=self.state.llm.max_model_len, parent=base) for name in self.adapters.views]
 
     def tags(self) -> list[dict]:
         return [model_entry(self.state)]
