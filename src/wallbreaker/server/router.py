@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -31,6 +31,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..config import ModelConfig
 from ..errors import InvalidRequestError, WallbreakerError
 from ..kv.cache import HEADROOM_GB
 from ..llm import LLM
@@ -166,6 +167,24 @@ class SingleModel:
 
 
 # -- many models ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UnloadedModel:
+    """What the listings (server/ollama_models.py) read of an `LLM`, for a model that is not loaded:
+    read once from its files, no weights loaded."""
+    model_path: Path
+    model_config: ModelConfig
+    chat_template: Any  # text.chat_template.ChatTemplate
+    max_model_len: int
+    takes_images: bool = False  # its vision encoder is found when it loads
+
+
+@dataclass(frozen=True)
+class UnloadedState:
+    """An unloaded model in the place of its `ServerState`, for the listings."""
+    llm: UnloadedModel
+    model_name: str
+
+
 @dataclass(eq=False)
 class Slot:
     """One model's place in the router; touched only on the event loop."""
@@ -179,7 +198,7 @@ class Slot:
     expires_at: float | None = None  # wall clock; None: not counting down
     timer: asyncio.TimerHandle | None = None
     size: int | None = None  # bytes once loaded (an estimate from its files before)
-    described: Any = None  # what /api/tags and /api/show say of it unloaded, read once
+    described: UnloadedState | None = None  # what /api/tags and /api/show say of it unloaded, read once
 
 
 class ModelRouter:
@@ -451,16 +470,13 @@ class ModelRouter:
             raise APIError(500, f"the model '{slot.source.name}' cannot be read: {e}", type="server_error",
                            param="model", code="model_load_failed") from None
 
-    def _described(self, slot: Slot) -> Any:
-        """A stand-in for an unloaded model's state, with what the listings read: its config, chat
-        template and path (read once from its files: no weights are loaded)."""
+    def _described(self, slot: Slot) -> UnloadedState:
+        """A stand-in for an unloaded model's state, with what the listings read (read once)."""
         if slot.described is None:
             from ..formats import open_model
             files = open_model(slot.source.model)
-            llm = SimpleNamespace(model_path=files.path, model_config=files.config, chat_template=files.chat_template,
-                                  max_model_len=files.config.max_position_embeddings,
-                                  takes_images=False)  # its vision encoder is found when it loads
-            slot.described = SimpleNamespace(llm=llm, model_name=slot.source.name)
+            llm = UnloadedModel(files.path, files.config, files.chat_template, files.config.max_position_embeddings)
+            slot.described = UnloadedState(llm, slot.source.name)
         return slot.described
 
     def _entry(self, slot: Slot) -> dict:
