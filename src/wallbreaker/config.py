@@ -464,10 +464,11 @@ class EngineConfig:
     # computes each input whole and ignores it.
     batch_invariant: bool = True
     # LoRA adapters beside the weights (lora/, docs/lora.md): up to max_loras loaded at once, each of
-    # rank at most max_lora_rank; a request names one (LLM.generate's lora_request, the server's model)
+    # rank at most max_lora_rank (vLLM's default, 16); a request names one (LLM.generate's lora_request,
+    # the server's model). Each adapted layer keeps room for max_loras adapters of max_lora_rank.
     enable_lora: bool = False
     max_loras: int = 4
-    max_lora_rank: int = 64
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in (*PACKED_DTYPES, *_DTYPES):

@@ -11,7 +11,7 @@ import torch
 from ..kv import KVCache
 from ..kv.state_pool import StatePool
 from ..layers.attention import MAX_PAGED_QUERIES, AttentionMetadata, PrefillSpan
-from ..layers.lora import row_groups
+from ..layers.lora import step_slots
 from ..layers.recurrent import StateMetadata, StateSpan
 from ..models.base import CausalLM
 from .scheduler import ScheduledBatch
@@ -32,7 +32,7 @@ class StepInputs:
     copies: list[tuple[int, int]]  # KV blocks to copy (src, dst) first: copy-on-write of forked tails
     logit_rows: torch.Tensor | None  # rows of the hidden states that need logits; None: all of them
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, vectors) in place of token embeddings: images
-    lora_groups: list | None = None  # (adapter slot, rows) of the rows that run with LoRA adapters (layers/lora.py)
+    lora_slots: torch.Tensor | None = None  # [T] each row's LoRA adapter slot; None: no row uses one (layers/lora.py)
 
 
 class ModelRunner:
@@ -170,8 +170,8 @@ class ModelRunner:
         embeds = None
         if embed_rows:
             embeds = (torch.tensor(embed_rows, dtype=torch.long, device=self.device), torch.cat(embed_values))
-        lora = row_groups(adapters, self.device) if any(slot for slot, _ in adapters) else None
-        step = StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows, embeds, lora)
+        step = StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows, embeds,
+                          step_slots(adapters, self.device))
         pooled: list[torch.Tensor] = []
         if pooling_seqs:
             hidden = self._hidden(step)
@@ -213,13 +213,13 @@ class ModelRunner:
     def _hidden(self, step: StepInputs) -> torch.Tensor:
         self.kv_cache.copy_blocks(step.copies)
         lora_rows = getattr(self.model, "lora_rows", None)
-        if lora_rows is None or not step.lora_groups:
+        if lora_rows is None or step.lora_slots is None:
             return self._forward(step)
-        lora_rows.groups = step.lora_groups
+        lora_rows.set(step.lora_slots)
         try:
             return self._forward(step)
         finally:
-            lora_rows.groups = []
+            lora_rows.set(None)
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         if step.embeds is not None:

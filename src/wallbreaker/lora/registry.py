@@ -42,15 +42,15 @@ class LoRARegistry:
         self.max_loras, self.max_lora_rank, self.in_use = max_loras, max_lora_rank, in_use
         self.rows = LoRARows()
         model.lora_rows = self.rows
-        self.targets: dict[str, tuple[nn.Module, int, int]] = {}  # weight name -> (layer, first row, rows)
+        self.targets: dict[str, _Target] = {}
         for module in model.layers.modules():
             segments = getattr(module, "lora_segments", None)
             if segments is None:
                 continue
-            module.lora_rows, module.loras = self.rows, {}
+            module.lora_rows, module.lora = self.rows, None
             first = 0
-            for name, rows in segments:
-                self.targets[name] = (module, first, rows)
+            for j, (name, rows) in enumerate(segments):
+                self.targets[name] = _Target(module, first, rows, j, len(segments))
                 first += rows
         self.adapters: dict[str, LoadedAdapter] = {}
         self._clock = itertools.count(1)
@@ -79,10 +79,10 @@ class LoRARegistry:
         if adapter.rank > self.max_lora_rank:
             raise InvalidRequestError(f"LoRA adapter {path}: rank {adapter.rank} is above max_lora_rank "
                                       f"{self.max_lora_rank}")
-        weights = self._layer_weights(path, adapter)
+        writes = self._checked_pairs(path, adapter)
         slot = self._free_slot()
-        for module, w in weights.items():
-            module.loras = {**module.loras, slot: w}
+        for target, a, b in writes:
+            self._write(target, slot, a, b * adapter.scale)
         loaded = LoadedAdapter(name, str(path), slot, adapter.rank, _digest(adapter), int_id or slot,
                                next(self._clock))
         self.adapters[name] = loaded
@@ -98,9 +98,24 @@ class LoRARegistry:
 
     def _unbind(self, loaded: LoadedAdapter) -> None:
         del self.adapters[loaded.name]
-        for module in {m for m, _, _ in self.targets.values()}:
-            if loaded.slot in module.loras:
-                module.loras = {s: w for s, w in module.loras.items() if s != loaded.slot}
+        for module in {t.module for t in self.targets.values()}:
+            w = module.lora
+            if w is not None:
+                cols = slice((loaded.slot - 1) * w.width, loaded.slot * w.width)
+                w.a[cols] = 0
+                w.b[:, cols] = 0
+
+    def _write(self, target: "_Target", slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """One segment's A and scaled B into its place in `slot`'s columns of its layer."""
+        module = target.module
+        if module.lora is None:  # the first adapter to target this layer: room for every slot
+            width = target.segments * self.max_lora_rank
+            module.lora = LoRAWeights(torch.zeros(self.max_loras * width, _in_features(module)),
+                                      torch.zeros(_out_features(module), self.max_loras * width), width)
+        w = module.lora
+        start = (slot - 1) * w.width + target.segment * self.max_lora_rank
+        w.a[start:start + a.shape[0]] = a
+        w.b[target.first:target.first + target.rows, start:start + a.shape[0]] = b
 
     def _free_slot(self) -> int:
         """A slot no adapter holds, else the least recently used idle adapter's, evicted."""
@@ -115,32 +130,30 @@ class LoRARegistry:
         self._unbind(victim)
         return victim.slot
 
-    def _layer_weights(self, path: str, adapter: Adapter) -> dict[nn.Module, LoRAWeights]:
-        """Each targeted layer's `LoRAWeights`: its segments' A stacked, B block-diagonal, scaled."""
-        per_layer: dict[nn.Module, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    def _checked_pairs(self, path: str, adapter: Adapter) -> list[tuple["_Target", torch.Tensor, torch.Tensor]]:
+        """Each (A, B) pair with the layer segment it adapts, every one checked to fit before any is bound."""
+        out = []
         for name, (a, b) in adapter.pairs.items():
             target = self.targets.get(name)
             if target is None:
                 raise InvalidRequestError(f"LoRA adapter {path}: targets {name}, which this model has no "
                                           f"adaptable projection of")
-            module, first, rows = target
-            in_features = _in_features(module)
-            if a.shape[1] != in_features or b.shape[0] != rows:
-                raise InvalidRequestError(f"LoRA adapter {path}: {name} is [{rows}, {in_features}] in the model, "
-                                          f"the adapter's A {tuple(a.shape)} and B {tuple(b.shape)} do not fit it")
-            per_layer.setdefault(module, []).append((first, rows, a, b))
-        out = {}
-        for module, parts in per_layer.items():
-            parts.sort(key=lambda p: p[0])
-            r = sum(p[2].shape[0] for p in parts)
-            b_full = torch.zeros(_out_features(module), r)
-            col = 0
-            for first, rows, _, b in parts:
-                b_full[first:first + rows, col:col + b.shape[1]] = b * adapter.scale
-                col += b.shape[1]
-            a_full = torch.cat([p[2] for p in parts]).contiguous()
-            out[module] = LoRAWeights(a_full, b_full)
+            in_features = _in_features(target.module)
+            if a.shape[1] != in_features or b.shape[0] != target.rows:
+                raise InvalidRequestError(f"LoRA adapter {path}: {name} is [{target.rows}, {in_features}] in the "
+                                          f"model, the adapter's A {tuple(a.shape)} and B {tuple(b.shape)} do not fit it")
+            out.append((target, a, b))
         return out
+
+
+@dataclass(frozen=True, eq=False)
+class _Target:
+    """A weight an adapter may adapt: its layer, its rows there, and which of the layer's segments it is."""
+    module: nn.Module
+    first: int
+    rows: int
+    segment: int
+    segments: int
 
 
 def _in_features(module: nn.Module) -> int:

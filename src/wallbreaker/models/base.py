@@ -84,7 +84,8 @@ class CausalLM(nn.Module):
         if embeds is not None:
             h[embeds[0]] = embeds[1].to(h.dtype)
         # a step with LoRA rows runs the layers here: the C++ stack has no adapters
-        planned = None if self.lora_rows is not None and self.lora_rows.groups else self.decoder_plan.run(h, meta)
+        planned = None if self.lora_rows is not None and self.lora_rows.slots is not None \
+            else self.decoder_plan.run(h, meta)
         if planned is not None:
             return self.norm.add_and_norm(*planned)
         if self.prompt_rows is not None:
