@@ -87,8 +87,9 @@ def main() -> None:
 
         def prompts(tag: str) -> list:
             return [{"prompt_token_ids": prompt_ids(llm.tokenizer, 32, f"{tag} {i}")} for i in range(args.sequences)]
-        decode_speed(llm, prompts("warm-up base"), 4, None)
-        decode_speed(llm, prompts("warm-up adapters"), 4, loras)
+        # long enough for the decode thread count (engine/threads.py) to settle on both paths
+        decode_speed(llm, prompts("warm-up base"), args.decode_tokens, None)
+        decode_speed(llm, prompts("warm-up adapters"), args.decode_tokens, loras)
         runs: dict[str, list[float]] = {"base": [], "adapters": []}
         order = ["base", "adapters", "base"] * args.rounds
         for i, mode in enumerate(order):
