@@ -160,6 +160,17 @@ def test_bad_adapters_are_refused_and_leave_the_engine_as_it_was(tiny_with_adapt
     assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == before
 
 
+def test_past_max_loras_the_least_recently_used_adapter_is_evicted_and_read_again(tiny_with_adapters):
+    tiny, (a1, a2), shared = tiny_with_adapters
+    expected = [_tokens(shared.generate(PROMPTS[:1], GREEDY, lora_request=_lora(i, a)))[0]
+                for i, a in ((1, a1), (2, a2))]
+    with LLM(str(tiny.hf_dir), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        got = [_tokens(llm.generate(PROMPTS[:1], GREEDY, lora_request=_lora(i, a)))[0]
+               for i, a in ((1, a1), (2, a2), (1, a1))]
+        assert llm.engine.lora_adapters() == ["adapter1"]
+    assert got == [expected[0], expected[1], expected[0]]
+
+
 def test_a_lora_request_without_enable_lora_is_refused(tiny_llama, tmp_path):
     with LLM(str(tiny_llama.hf_dir), dtype="float32") as llm:
         with pytest.raises(InvalidRequestError, match="enable_lora"):

@@ -72,7 +72,11 @@ class ServedAdapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", type="NotFoundError",
                            param="lora_name", code=404)
         client = self.base.engine.client
-        await self.base.engine.call(lambda: client.unload_lora_adapter(name))
+
+        def unload() -> None:
+            if name in client.lora_adapters():  # else evicted for another already (read again when asked for)
+                client.unload_lora_adapter(name)
+        await self.base.engine.call(unload)
         del self.views[name]
 
 
