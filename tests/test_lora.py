@@ -114,6 +114,18 @@ def test_packed_path_perplexity_change_from_an_adapter_matches_float32(llama_lor
     assert changes["auto"] == pytest.approx(changes["float32"], rel=0.01)
 
 
+def test_packed_path_batch_with_and_without_an_adapter_gives_each_its_tokens_alone(llama_lora_gguf):
+    """Decode steps through our kernels: with an adapter in the step the layers run from Python, without
+    one the C++ decoder stack; a sequence's tokens are the same either way."""
+    tiny, _, gguf_file = llama_lora_gguf
+    with LLM(str(tiny.quantized_gguf(gguf.GGMLQuantizationType.Q8_0)), enable_lora=True) as llm:
+        loras = [LoRARequest("a", 1, str(gguf_file)), None, LoRARequest("a", 1, str(gguf_file))]
+        alone = [_tokens(llm.generate([p], GREEDY, lora_request=lora))[0] for p, lora in zip(PROMPTS, loras)]
+        mixed = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=loras))
+        base = _tokens(llm.generate([PROMPTS[0]], GREEDY))[0]
+    assert mixed == alone and alone[0] != base
+
+
 def test_bad_adapters_are_refused_and_leave_the_engine_as_it_was(tiny_with_adapters, tmp_path):
     tiny, (a1, _), llm = tiny_with_adapters
     before = _tokens(llm.generate(PROMPTS[:1], GREEDY))
