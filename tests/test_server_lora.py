@@ -86,3 +86,23 @@ def test_a_bad_adapter_is_a_400_and_the_server_goes_on(lora_server, tmp_path):
         assert_openai_error(r, 400)
     assert "bad" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
     assert _completion(client, "one") == before
+
+
+def test_router_serves_an_adapter_on_its_base_model(lora_server, tiny_llama, tiny_qwen2):
+    from wallbreaker.errors import WallbreakerError
+    from wallbreaker.server.lora_adapters import LoRAModule
+    from wallbreaker.server.model_sources import ModelSource
+    from wallbreaker.server.router import ModelRouter
+    _, expected, adapters = lora_server
+    sources = [ModelSource("llama", str(tiny_llama.hf_dir)), ModelSource("qwen2", str(tiny_qwen2.hf_dir))]
+
+    def load(source: ModelSource) -> LLM:
+        return LLM(source.model, dtype="float32", max_model_len=64, max_num_seqs=4, enable_lora=True, max_loras=2)
+    with pytest.raises(WallbreakerError, match="name its base model"):
+        ModelRouter(sources, load, lora_modules=[LoRAModule("one", str(adapters["one"]))])
+    router = ModelRouter(sources, load, lora_modules=[LoRAModule("one", str(adapters["one"]), "llama")])
+    with app_client(build_app(router)) as client:
+        models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert models["one"]["parent"] == "llama" and models["qwen2"]["parent"] is None
+        assert _completion(client, "one") == expected["one"]
+        assert _completion(client, "llama") == expected["base"]

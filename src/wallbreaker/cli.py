@@ -241,28 +241,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.models_dir is None and len(models) <= 1 and not any("=" in m and not os.path.exists(m) for m in models):
         args.model = models[0] if models else None  # one model, loaded now: every name means it
         llm = load_llm(args)
-        for name, path in adapters:
-            llm.engine.load_lora_adapter(name, path)
+        for m in adapters:
+            llm.engine.load_lora_adapter(m.name, m.path)
         serve(build_app(llm, config), log_level=args.log_level)
         return 0
-    if adapters or args.enable_lora:
-        raise WallbreakerError("LoRA adapters are served with one model: leave out --models-dir and NAME=PATH")
-    serve(build_app(model_router(args), config), log_level=args.log_level)
+    serve(build_app(model_router(args, adapters), config), log_level=args.log_level)
     return 0
 
 
-def lora_modules(specs: list[str]) -> list[tuple[str, str]]:
-    """`serve --lora-modules NAME=PATH` (repeatable): each adapter's name and path."""
+def lora_modules(specs: list[str]):
+    """`serve --lora-modules` (repeatable): NAME=PATH, or vLLM's JSON form {"name", "path",
+    "base_model_name"} (the base among several models served)."""
+    from .server.lora_adapters import LoRAModule
     out = []
     for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                d = json.loads(spec)
+                out.append(LoRAModule(str(d["name"]), str(d["path"]), d.get("base_model_name")))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise WallbreakerError(f"--lora-modules: a JSON module needs \"name\" and \"path\", got {spec!r}") \
+                    from None
+            continue
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise WallbreakerError(f"--lora-modules takes NAME=PATH (a PEFT folder or a GGUF LoRA file), got {spec!r}")
-        out.append((name, path))
+        out.append(LoRAModule(name, path))
     return out
 
 
-def model_router(args: argparse.Namespace):
+def model_router(args: argparse.Namespace, adapters=()):
     """`serve --models-dir DIR` / `--model NAME=PATH ...`: the models, loaded as requests name them."""
     from .llm import LLM
     from .server.model_sources import catalog, parse_keep_alive
@@ -281,7 +289,7 @@ def model_router(args: argparse.Namespace):
     return ModelRouter(catalog(args.model or [], args.models_dir), lambda source: LLM(source.model, **options),
                        keep_alive=keep_alive,
                        max_memory_bytes=None if args.max_memory_gb is None else int(args.max_memory_gb * 2**30),
-                       extra_bytes=int(kv_gb * 2**30) if kv_gb else 0)
+                       extra_bytes=int(kv_gb * 2**30) if kv_gb else 0, lora_modules=adapters)
 
 
 @command("inspect")

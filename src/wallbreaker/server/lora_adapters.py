@@ -35,6 +35,22 @@ class AdapterEngine:
         return getattr(self._engine, name)
 
 
+def adapter_view(base: ServerState, lora: LoRARequest) -> ServerState:
+    """The base model's serving state answering as the adapter, its requests run with it."""
+    view = copy.copy(base)
+    view.engine = AdapterEngine(base.engine, lora)
+    view.model_name = lora.lora_name
+    return view
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAModule:
+    """`serve --lora-modules`: an adapter served as model `name`, on `base` (None: the one model served)."""
+    name: str
+    path: str
+    base: str | None = None
+
+
 class ServedAdapters:
     """The adapters of one served model, by name."""
 
@@ -53,10 +69,7 @@ class ServedAdapters:
     def add_view(self, name: str, path: str) -> None:
         """Serve an adapter the engine has loaded under `name`."""
         self._ids += 1
-        view = copy.copy(self.base)
-        view.engine = AdapterEngine(self.base.engine, LoRARequest(name, self._ids, str(path)))
-        view.model_name = name
-        self.views[name] = view
+        self.views[name] = adapter_view(self.base, LoRARequest(name, self._ids, str(path)))
 
     async def load(self, name: str, path: str) -> None:
         if not self.enabled:
@@ -96,7 +109,8 @@ def add_lora_routes(app: FastAPI, dependencies: list) -> None:
     def adapters(request: Request) -> ServedAdapters:
         found = getattr(request.app.state.models, "adapters", None)
         if found is None:
-            raise bad_request("LoRA adapters are served with one model (serve --model PATH --enable-lora)")
+            raise bad_request("loading LoRA adapters at run time needs one model served (serve --model PATH "
+                              "--enable-lora); with several, serve them with --lora-modules")
         return found
 
     @app.post("/v1/load_lora_adapter", dependencies=dependencies)

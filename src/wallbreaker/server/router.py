@@ -38,7 +38,8 @@ from ..llm import LLM
 from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .errors import APIError, bad_request
-from .lora_adapters import ServedAdapters
+from ..lora.request import LoRARequest
+from .lora_adapters import LoRAModule, ServedAdapters, adapter_view
 from .metrics import ServerMetrics
 from .model_sources import DEFAULT_KEEP_ALIVE_S, FOREVER, ModelSource, parse_keep_alive
 from .ollama_models import model_entry, running_entry, show_body
@@ -206,9 +207,11 @@ class ModelRouter:
 
     def __init__(self, sources: list[ModelSource], load: Callable[[ModelSource], LLM],
                  keep_alive: float = DEFAULT_KEEP_ALIVE_S, max_memory_bytes: int | None = None,
-                 extra_bytes: int = 0):
+                 extra_bytes: int = 0, lora_modules: list[LoRAModule] = ()):
         """`load` makes a source's LLM (it runs in a worker thread); `extra_bytes` is added to a
-        model's file size to estimate its first load (a fixed KV pool's size)."""
+        model's file size to estimate its first load (a fixed KV pool's size). `lora_modules`: adapters
+        served as models of their own, each on its base model (loaded with `enable_lora`), the adapter
+        read when a request first names it."""
         if not sources:
             raise WallbreakerError("no models to serve: --models-dir found none and no --model was given")
         if not keep_alive >= 0:
@@ -216,6 +219,15 @@ class ModelRouter:
         if max_memory_bytes is not None and max_memory_bytes <= 0:
             raise InvalidRequestError(f"the memory budget must be positive, got {max_memory_bytes} bytes")
         self.slots = {s.name: Slot(s, keep_alive=keep_alive) for s in sources}
+        self.adapters: dict[str, tuple[str, LoRARequest]] = {}  # adapter name -> (its base's name, request)
+        for i, m in enumerate(lora_modules, start=1):
+            base = m.base or (next(iter(self.slots)) if len(self.slots) == 1 else None)
+            if base not in self.slots:
+                raise WallbreakerError(f"--lora-modules {m.name}: name its base model, one of {', '.join(self.slots)} "
+                                       f"(the JSON form's base_model_name)")
+            if m.name in self.slots or m.name in self.adapters:
+                raise WallbreakerError(f"--lora-modules {m.name}: the name is already a model's")
+            self.adapters[m.name] = (base, LoRARequest(m.name, i, m.path))
         for s in sources:
             s.remember_digest()
         self.load_fn = load
@@ -245,6 +257,8 @@ class ModelRouter:
     def slot(self, model: str | None) -> Slot:
         """The slot a request's model names: with one model, any name (or none) is that model; with
         several, a name (Ollama's `name:latest` too) or a 404 naming the ones served."""
+        if model in self.adapters:
+            return self.slots[self.adapters[model][0]]
         if len(self.slots) == 1:
             return next(iter(self.slots.values()))
         available = ", ".join(f"'{n}'" for n in self.slots)
@@ -269,7 +283,7 @@ class ModelRouter:
                 released = True
                 self._release(slot, keep_alive)
         leases.append(release)
-        return state
+        return adapter_view(state, self.adapters[model][1]) if model in self.adapters else state
 
     async def _hold(self, slot: Slot) -> ServerState:
         slot.active += 1  # held from now: a model loading for a request is not idle (never evicted)
@@ -436,8 +450,11 @@ class ModelRouter:
         return [name for name, s in self.slots.items() if s.state is not None]
 
     def cards(self) -> list[ModelCard]:
-        return [ModelCard(id=name, max_model_len=s.state.llm.max_model_len if s.state is not None else None)
-                for name, s in self.slots.items()]
+        def length(s: Slot) -> int | None:
+            return s.state.llm.max_model_len if s.state is not None else None
+        return [ModelCard(id=name, max_model_len=length(s)) for name, s in self.slots.items()] + \
+            [ModelCard(id=name, max_model_len=length(self.slots[base]), parent=base)
+             for name, (base, _) in self.adapters.items()]
 
     def tags(self) -> list[dict]:
         """Ollama's /api/tags: every model served, loaded or not (run in a worker thread: it may read files)."""
