@@ -374,8 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeat as NAME=PATH to serve several, each loaded when a request names it")
     p.add_argument("--lora-modules", action="append", default=None, metavar="NAME=PATH",
                    help="serve a LoRA adapter (a PEFT folder or a GGUF LoRA file) as model NAME: the base model with "
-                        "that adapter, on every API (repeatable; implies --enable-lora; POST /v1/load_lora_adapter "
-                        "and /v1/unload_lora_adapter change them at run time)")
+                        "that adapter, on every API (repeatable; implies --enable-lora). With several models, vLLM's "
+                        "JSON form names the base: '{\"name\": N, \"path\": P, \"base_model_name\": B}'. With one, "
+                        "POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time")
     p.add_argument("--models-dir", default=None,
                    help="serve every model in DIR (*.gguf files by their stem, Hugging Face folders by their name) "
                         "and the installed packaged models by name, each loaded when a request names it")
