@@ -106,3 +106,14 @@ def test_router_serves_an_adapter_on_its_base_model(lora_server, tiny_llama, tin
         assert models["one"]["parent"] == "llama" and models["qwen2"]["parent"] is None
         assert _completion(client, "one") == expected["one"]
         assert _completion(client, "llama") == expected["base"]
+
+
+def test_lora_modules_flag_takes_name_path_and_vllms_json_form():
+    from wallbreaker.cli import lora_modules
+    from wallbreaker.errors import WallbreakerError
+    from wallbreaker.server.lora_adapters import LoRAModule
+    assert lora_modules(["sql=/a/b=c", '{"name": "chat", "path": "/x.gguf", "base_model_name": "qwen"}']) == \
+        [LoRAModule("sql", "/a/b=c"), LoRAModule("chat", "/x.gguf", "qwen")]
+    for bad in ("noequals", "=path", '{"name": "x"}', "{not json"):
+        with pytest.raises(WallbreakerError, match="--lora-modules"):
+            lora_modules([bad])
