@@ -22,7 +22,8 @@ def tiny_with_adapters(request, tiny_of, tmp_path_factory):
     """(tiny model, two adapter folders, an LLM on its float32 path with LoRA enabled)."""
     tiny = tiny_of(request.param)
     out = tmp_path_factory.mktemp(f"lora_{request.param}")
-    adapters = [make_peft_adapter(tiny, out / "a1", seed=1), make_peft_adapter(tiny, out / "a2", seed=2, alpha=8.0)]
+    adapters = [make_peft_adapter(tiny, out / "a1", seed=1),
+                make_peft_adapter(tiny, out / "a2", seed=2, alpha=8.0, use_rslora=True)]
     llm = LLM(str(tiny.hf_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
     yield tiny, adapters, llm
     llm.shutdown()
@@ -36,8 +37,10 @@ def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_adapter_logits_and_greedy_tokens_match_transformers_peft(tiny_with_adapters):
-    tiny, (a1, _), llm = tiny_with_adapters
+@pytest.mark.parametrize("which", [1, 2])  # 2: rsLoRA's scale, lora_alpha / sqrt(r)
+def test_adapter_logits_and_greedy_tokens_match_transformers_peft(tiny_with_adapters, which):
+    tiny, adapters, llm = tiny_with_adapters
+    a1 = adapters[which - 1]
     ref = peft_model(tiny, a1)
     ids = PROMPTS[0]
     with torch.no_grad():
@@ -46,9 +49,9 @@ def test_adapter_logits_and_greedy_tokens_match_transformers_peft(tiny_with_adap
         ref_tokens = ref.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                   max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
     assert (expected - base).abs().max() > 1.0, "the adapter must change the logits for the test to mean anything"
-    got = llm.logits(ids, lora_request=_lora(1, a1))
+    got = llm.logits(ids, lora_request=_lora(which, a1))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    assert _tokens(llm.generate([ids], GREEDY, lora_request=_lora(1, a1))) == [ref_tokens]
+    assert _tokens(llm.generate([ids], GREEDY, lora_request=_lora(which, a1))) == [ref_tokens]
 
 
 def test_two_adapters_and_the_base_in_one_batch_each_get_their_own_tokens(tiny_with_adapters):
