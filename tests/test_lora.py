@@ -190,3 +190,12 @@ def test_a_lora_request_without_enable_lora_is_refused(tiny_llama, tmp_path):
     with LLM(str(tiny_llama.hf_dir), dtype="float32") as llm:
         with pytest.raises(InvalidRequestError, match="enable_lora"):
             llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("a", 1, str(tmp_path)))
+
+
+def test_chat_takes_a_lora_request_as_generate_does(tiny_with_adapters):
+    _, (a1, _), llm = tiny_with_adapters
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = llm.encode_chat(messages)[1]
+    chat = _tokens(llm.chat(messages, GREEDY, lora_request=_lora(1, a1)))
+    assert chat == _tokens(llm.generate([ids], GREEDY, lora_request=_lora(1, a1)))
+    assert chat != _tokens(llm.chat(messages, GREEDY))
