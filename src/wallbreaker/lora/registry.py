@@ -41,9 +41,9 @@ class LoRARegistry:
         self.config = model.config
         self.max_loras, self.max_lora_rank, self.in_use = max_loras, max_lora_rank, in_use
         self.rows = LoRARows()
-        model.lora_rows = self.rows
         self.targets: dict[str, _Target] = {}
-        for module in model.layers.modules():
+        layers = getattr(model, "layers", None)
+        for module in layers.modules() if isinstance(layers, nn.Module) else ():
             segments = getattr(module, "lora_segments", None)
             if segments is None:
                 continue
@@ -52,6 +52,10 @@ class LoRARegistry:
             for j, (name, rows) in enumerate(segments):
                 self.targets[name] = _Target(module, first, rows, j, len(segments))
                 first += rows
+        if not self.targets:
+            raise InvalidRequestError(f"enable_lora: this model ({type(model).__name__}) has no projections that "
+                                      f"LoRA adapters can adapt")
+        model.lora_rows = self.rows
         self.adapters: dict[str, LoadedAdapter] = {}
         self._clock = itertools.count(1)
 
