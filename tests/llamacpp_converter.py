@@ -16,6 +16,7 @@ VERSION = "0.3.36"
 FETCH_COMMAND = f"pip download --no-deps --no-binary :all: llama-cpp-python=={VERSION}"
 _PREFIX = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
 _WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+_LORA = "convert_lora_to_gguf.py"  # extracted on its own: an older extraction lacks it
 
 
 def _sdist(cache: Path) -> Path:
@@ -29,6 +30,7 @@ def _sdist(cache: Path) -> Path:
 def _extract(sdist: Path, wanted: tuple[str, ...], target: Path) -> None:
     """The sdist's `vendor/llama.cpp/<wanted>` entries into `target`, whole or not at all."""
     staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
     with tarfile.open(sdist) as tf:
         members = [m for m in tf.getmembers() if m.name.startswith(_PREFIX)
                    and m.name[len(_PREFIX):].startswith(wanted) and (m.isfile() or m.isdir())]
@@ -39,11 +41,16 @@ def _extract(sdist: Path, wanted: tuple[str, ...], target: Path) -> None:
 
 
 def fetch(cache: Path) -> Path:
-    """The folder holding convert_hf_to_gguf.py, conversion/ and gguf-py/, fetched and unpacked into
-    `cache` once; a failure raises."""
+    """The folder holding convert_hf_to_gguf.py, conversion/, gguf-py/ and convert_lora_to_gguf.py,
+    fetched and unpacked into `cache` once; a failure raises."""
     target = cache / f"llama-cpp-converter-{VERSION}"
     if not (target / "convert_hf_to_gguf.py").is_file():
         _extract(_sdist(cache), _WANTED, target)
+    if not (target / _LORA).is_file():
+        lora = cache / f"llama-cpp-lora-converter-{VERSION}"
+        if not (lora / _LORA).is_file():
+            _extract(_sdist(cache), (_LORA,), lora)
+        shutil.copyfile(lora / _LORA, target / _LORA)
     return target
 
 
@@ -92,6 +99,15 @@ def convert(converter: Path, folder: Path, outtype: str, out: Path, flags: tuple
     if not out.is_file():
         subprocess.run([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
                         "--outfile", str(out), *flags], check=True, capture_output=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(converter / "gguf-py")})
+    return out
+
+
+def convert_lora(converter: Path, adapter: Path, base: Path, outtype: str, out: Path) -> Path:
+    """A PEFT adapter folder of the Hugging Face model `base` -> llama.cpp's GGUF LoRA of `outtype`."""
+    if not out.is_file():
+        subprocess.run([sys.executable, str(converter / _LORA), str(adapter), "--base", str(base), "--outtype", outtype,
+                        "--outfile", str(out)], check=True, capture_output=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(converter / "gguf-py")})
     return out
 

@@ -21,7 +21,7 @@ LAYERS = {
     "formats": 3, "pooling_params": 3,
     "kernels": 4,
     "layers": 5,
-    "models": 6, "kv": 6, "vision": 6,
+    "models": 6, "kv": 6, "vision": 6, "lora": 6,
     "engine": 7,
     "spec_decode": 8, "parallel": 8, "pooling_requests": 8,
     "llm": 9,

@@ -9,8 +9,9 @@ from .engine.outputs import CompletionOutput, RequestOutput
 from .errors import (EngineError, InvalidRequestError, ModelFormatError, ModelNotFoundError,
                      UnsupportedModelError, WallbreakerError)
 from .llm import LLM
+from .lora import LoRARequest
 from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "WallbreakerError",
            "ModelNotFoundError", "ModelFormatError", "UnsupportedModelError", "InvalidRequestError",
-           "EngineError"]
+           "EngineError", "LoRARequest"]

@@ -46,6 +46,9 @@ HELP = {
     "batch_invariant": "every token's logits independent of the rest of its step: the same request gives the "
                        "same answer whatever the prefix cache, chunking, batch, speculation or preemption "
                        "(default: on; --no-batch-invariant: the float32 path's decode is faster)",
+    "enable_lora": "let requests run with LoRA adapters (PEFT folders or GGUF LoRA files; serve: --lora-modules)",
+    "max_loras": "LoRA adapters loaded at once; past it the least recently used idle one is evicted",
+    "max_lora_rank": "the highest LoRA rank an adapter may have",
     "temperature": "0 is greedy",
     "top_k": "0 or -1: off",
     "max_tokens": "tokens to generate at most",
@@ -232,15 +235,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_hosts=tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else None,
         allowed_origins=tuple(o for o in (args.allowed_origins or "").split(",") if o.strip()))
     models = args.model or []
+    adapters = lora_modules(args.lora_modules or [])
+    if adapters:
+        args.enable_lora = True
     if args.models_dir is None and len(models) <= 1 and not any("=" in m and not os.path.exists(m) for m in models):
         args.model = models[0] if models else None  # one model, loaded now: every name means it
-        serve(build_app(load_llm(args), config), log_level=args.log_level)
+        llm = load_llm(args)
+        for m in adapters:
+            llm.engine.load_lora_adapter(m.name, m.path)
+        serve(build_app(llm, config), log_level=args.log_level)
         return 0
-    serve(build_app(model_router(args), config), log_level=args.log_level)
+    serve(build_app(model_router(args, adapters), config), log_level=args.log_level)
     return 0
 
 
-def model_router(args: argparse.Namespace):
+def lora_modules(specs: list[str]):
+    """`serve --lora-modules` (repeatable): NAME=PATH, or vLLM's JSON form {"name", "path",
+    "base_model_name"} (the base among several models served)."""
+    from .server.lora_adapters import LoRAModule
+    out = []
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                d = json.loads(spec)
+                out.append(LoRAModule(str(d["name"]), str(d["path"]), d.get("base_model_name")))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise WallbreakerError(f"--lora-modules: a JSON module needs \"name\" and \"path\", got {spec!r}") \
+                    from None
+            continue
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise WallbreakerError(f"--lora-modules takes NAME=PATH (a PEFT folder or a GGUF LoRA file), got {spec!r}")
+        out.append(LoRAModule(name, path))
+    return out
+
+
+def model_router(args: argparse.Namespace, adapters=()):
     """`serve --models-dir DIR` / `--model NAME=PATH ...`: the models, loaded as requests name them."""
     from .llm import LLM
     from .server.model_sources import catalog, parse_keep_alive
@@ -259,7 +289,7 @@ def model_router(args: argparse.Namespace):
     return ModelRouter(catalog(args.model or [], args.models_dir), lambda source: LLM(source.model, **options),
                        keep_alive=keep_alive,
                        max_memory_bytes=None if args.max_memory_gb is None else int(args.max_memory_gb * 2**30),
-                       extra_bytes=int(kv_gb * 2**30) if kv_gb else 0)
+                       extra_bytes=int(kv_gb * 2**30) if kv_gb else 0, lora_modules=adapters)
 
 
 @command("inspect")
@@ -342,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", action="append", default=None,
                    help="a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2); "
                         "repeat as NAME=PATH to serve several, each loaded when a request names it")
+    p.add_argument("--lora-modules", action="append", default=None, metavar="NAME=PATH",
+                   help="serve a LoRA adapter (a PEFT folder or a GGUF LoRA file) as model NAME: the base model with "
+                        "that adapter, on every API (repeatable; implies --enable-lora). With several models, vLLM's "
+                        "JSON form names the base: '{\"name\": N, \"path\": P, \"base_model_name\": B}'. With one, "
+                        "POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time")
     p.add_argument("--models-dir", default=None,
                    help="serve every model in DIR (*.gguf files by their stem, Hugging Face folders by their name) "
                         "and the installed packaged models by name, each loaded when a request names it")

@@ -474,6 +474,12 @@ class EngineConfig:
     # generated tokens is not reused as a later prompt's (kv/block_pool.py `hash_block`). An encoder
     # computes each input whole and ignores it.
     batch_invariant: bool = True
+    # LoRA adapters beside the weights (lora/, docs/lora.md): up to max_loras loaded at once, each of
+    # rank at most max_lora_rank (vLLM's default, 16); a request names one (LLM.generate's lora_request,
+    # the server's model). Each adapted layer keeps room for max_loras adapters of max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in (*PACKED_DTYPES, *_DTYPES):
@@ -499,6 +505,10 @@ class EngineConfig:
             raise InvalidRequestError("prefix_state_slots must be a non-negative integer")
         if int(self.tensor_parallel_size) < 1:
             raise InvalidRequestError("tensor_parallel_size must be at least 1")
+        if not (_is_int(self.max_loras) and self.max_loras >= 1 and _is_int(self.max_lora_rank) and self.max_lora_rank >= 1):
+            raise InvalidRequestError("max_loras and max_lora_rank must be integers of at least 1")
+        if self.enable_lora and int(self.tensor_parallel_size) > 1:
+            raise InvalidRequestError("enable_lora is not supported with tensor_parallel_size > 1 yet")
         if not self.tensor_parallel_timeout_s > 0:
             raise InvalidRequestError("tensor_parallel_timeout_s must be positive")
         if not (isinstance(self.kv_cache_disk_gb, Real) and math.isfinite(self.kv_cache_disk_gb)

@@ -35,6 +35,7 @@ from .kv.sessions import SessionInfo, SessionStore
 from .kv.state_pool import StatePool, size_state_pool, slot_bytes
 from .layers.linear import mapped_bytes, module_bytes
 from .layers.shard import check_splittable
+from .lora.request import LoRARequest
 from .models import load_model
 from .pooling_params import PoolingParams
 from .pooling_requests import PoolingRun, input_ids, relevance_requests, score_pairs, truncation_limit
@@ -172,6 +173,8 @@ class LLM:
             governor = ThreadGovernor(torch.get_num_threads())
         self.engine = LLMEngine(runner, self.tokenizer, self._scheduler(num_blocks, max_len, self.kv_disk, self.states), eos,
                                 structured, speculator, governor, sessions)
+        if self.config.enable_lora:
+            self.engine.enable_lora(self.config.max_loras, self.config.max_lora_rank)
         self.weight_bytes = module_bytes(self.model)
         self.weight_bytes_mapped = mapped_bytes(self.model)  # read from the model file or the repack cache
         self.load_time_s = time.perf_counter() - start
@@ -373,35 +376,42 @@ class LLM:
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: the LoRA adapter every prompt runs with, or one per prompt (None: the base
+        model), as vLLM's; it needs `LLM(..., enable_lora=True)`."""
         encoded = [(*self.encode(p), _cache_salt(p)) for p in as_prompt_list(prompts)]
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """`chat_template_kwargs`: variables for the template, e.g. {"enable_thinking": False} (vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = []
         for c in conversations:
             text, ids, images = self.encode_chat_images(c, tools, chat_template_kwargs=chat_template_kwargs)
             encoded.append((text, ids, None, images))
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, encoded: list[tuple], sampling_params, use_tqdm: bool,
-             saved_prefix: bool = False) -> list[RequestOutput]:
+             saved_prefix: bool = False, lora_request=None) -> list[RequestOutput]:
         """`encoded`: (text, token ids, cache salt[, images]) of each prompt."""
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(params_list) != len(encoded):
             raise InvalidRequestError("give one SamplingParams, or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(encoded)
+        if len(loras) != len(encoded):
+            raise InvalidRequestError("give one LoRARequest, or one per prompt")
         ids = []
         try:
-            for (text, token_ids, salt, *images), p in zip(encoded, params_list):
+            for (text, token_ids, salt, *images), p, lora in zip(encoded, params_list, loras):
                 ids.append(self.engine.add_request(EngineRequest(token_ids, p, text, cache_salt=salt,
                                                                  images=tuple(images[0]) if images else (),
-                                                                 saved_prefix=saved_prefix)))
+                                                                 saved_prefix=saved_prefix, lora_request=lora)))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
@@ -462,12 +472,14 @@ class LLM:
         return beam_search(self.engine, [self.encode(p)[1] for p in as_prompt_list(prompts)], beam_width, max_tokens,
                            length_penalty, ignore_eos, structured_outputs)
 
-    def logits(self, prompt: PromptType, chunk_size: int | None = None, images=()) -> torch.Tensor:
+    def logits(self, prompt: PromptType, chunk_size: int | None = None, images=(),
+               lora_request: LoRARequest | None = None) -> torch.Tensor:
         """Float32 logits [tokens, vocab] of every position of a prompt (row i predicts token i + 1);
-        `images`: the prompt's (`encode_chat_images`)."""
+        `images`: the prompt's (`encode_chat_images`); `lora_request`: the LoRA adapter to run with."""
         from .engine.scoring import prompt_logits
         token_ids = self.encode(prompt)[1]
-        return prompt_logits(self.engine, token_ids, chunk_size, self.engine.check_images(images, token_ids))
+        return prompt_logits(self.engine, token_ids, chunk_size, self.engine.check_images(images, token_ids),
+                             lora_request)
 
     def stats(self) -> dict:
         """The engine's counts, and memory: the weights (`weight_bytes_mapped` of them read from file

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from ..kv.sessions import SessionInfo, SessionNotFoundError, check_session_name
 from ..config import PoolingConfig
+from ..lora.request import LoRARequest
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .outputs import CompletionOutput, RequestOutput, StepFailure, StreamDelta
@@ -34,6 +35,7 @@ class EngineRequest:
     # prefill path however short (batch-invariant mode, layers/linear.py SHORT_PROMPT)
     saved_prefix: bool = False
     images: tuple = ()  # vision.inputs.ImageInput of each image, by the positions of its soft tokens
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -83,3 +85,10 @@ class EngineClient(Protocol):
         ...
 
     def delete_session(self, name: str) -> SessionInfo: ...
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Read and bind an adapter (`InvalidRequestError` for a bad one, or where LoRA is not enabled)."""
+        ...
+
+    def unload_lora_adapter(self, name: str) -> None: ...
+    def lora_adapters(self) -> list[str]: ...

@@ -17,6 +17,8 @@ from ..kv.sessions import SessionInfo, SessionStore
 from ..layers.dry import DryBreakers
 from ..layers.linear import SHORT_PROMPT
 from ..layers.sampler import sample, top_logprobs
+from ..lora.registry import LoadedAdapter, LoRARegistry
+from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .client import EngineRequest, StepResult
 from .detokenizer import IncrementalDetokenizer
@@ -59,6 +61,8 @@ class Request:
     pooled: torch.Tensor | None = None  # a pooling request's vector, once computed
     saved_prefix: bool = False  # EngineRequest.saved_prefix
     images: tuple = ()  # vision.inputs.ImageInput of the prompt's images
+    lora_slot: int = 0  # its LoRA adapter's slot and key (lora/registry.py); 0, None: the base model
+    lora_key: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -94,6 +98,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._unexplained_failures = 0  # failed steps in a row in which no sequence failed alone
+        self.loras: LoRARegistry | None = None  # `enable_lora`
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                          "prefill_time_s": 0.0, "decode_time_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0,
                          "spec_proposed": 0, "spec_accepted": 0, "spec_verify_steps": 0}
@@ -129,10 +134,12 @@ class LLMEngine:
             grammar = self.structured.compile(spec)
         prompt_ids = list(request.prompt_token_ids)
         images = self.check_images(request.images, prompt_ids)
+        adapter = self.resolve_lora(request.lora_request)
         state = Request(request_id, request.prompt, prompt_ids, params, salt, grammar if spec is not None else None,
                         self.structured.bad_words_ids(params.bad_words),
                         self.dry_breakers.ids(params.dry_sequence_breakers) if params.uses_dry else frozenset(),
-                        images=images, saved_prefix=request.saved_prefix)
+                        images=images, saved_prefix=request.saved_prefix,
+                        lora_slot=adapter.slot if adapter else 0, lora_key=adapter.key if adapter else None)
         seq = self._new_sequence(state, 0, list(prompt_ids),
                                  state.grammar.matcher() if state.grammar is not None else None, params.n - 1)
         self._requests[request_id] = state
@@ -140,10 +147,41 @@ class LLMEngine:
         self.counters["prompt_tokens"] += len(prompt_ids)
         return request_id
 
+    # -- LoRA adapters ------------------------------------------------------------------------------
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Let requests run with LoRA adapters, up to `max_loras` loaded at once (lora/registry.py)."""
+        def in_use(slot: int) -> bool:
+            return any(s.lora_slot == slot for r in self._requests.values() for s in r.seqs if not s.is_finished)
+        self.loras = LoRARegistry(self.runner.model, max_loras, max_lora_rank, in_use)
+
+    def _registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters are not enabled for this model (enable_lora)")
+        return self.loras
+
+    def resolve_lora(self, request: LoRARequest | None) -> LoadedAdapter | None:
+        """The loaded adapter a request runs with (None: the base model), loaded now if need be."""
+        if request is None:
+            return None
+        if not isinstance(request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        return self._registry().resolve(request)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        self._registry().load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._registry().unload(name)
+
+    def lora_adapters(self) -> list[str]:
+        return [] if self.loras is None else list(self.loras.adapters)
+
     def _add_pooling_request(self, request: EngineRequest) -> str:
         """A prompt run once, whole, for its pooled vector: one sequence that the step computing it
         finishes (its pages freed in that step); nothing is sampled."""
         self.check_pooling(request.pooling.task)
+        if request.lora_request is not None:
+            raise InvalidRequestError("LoRA adapters apply to generation, not to pooling requests")
         self.check_pooling_prompt(request.prompt_token_ids)
         request_id = request.request_id if request.request_id is not None else str(next(self._request_ids))
         if request_id in self._requests:
@@ -242,6 +280,7 @@ class LLMEngine:
         stops = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seq = Sequence(next(self._seq_ids), request.request_id, index, token_ids, len(request.prompt_token_ids),
                        params, detok, generator, stop_token_ids=stops, cache_salt=request.cache_salt,
+                       lora_slot=request.lora_slot, lora_key=request.lora_key,
                        arrival_time=request.arrival_time, pending_fork=pending_fork, grammar=grammar,
                        bad_words_ids=request.bad_words_ids, dry_breaker_ids=request.dry_breaker_ids,
                        images=request.images,

@@ -11,6 +11,7 @@ import torch
 from ..kv import KVCache
 from ..kv.state_pool import StatePool
 from ..layers.attention import MAX_PAGED_QUERIES, AttentionMetadata, PrefillSpan
+from ..layers.lora import step_slots
 from ..layers.recurrent import StateMetadata, StateSpan
 from ..models.base import CausalLM
 from .scheduler import ScheduledBatch
@@ -31,6 +32,7 @@ class StepInputs:
     copies: list[tuple[int, int]]  # KV blocks to copy (src, dst) first: copy-on-write of forked tails
     logit_rows: torch.Tensor | None  # rows of the hidden states that need logits; None: all of them
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, vectors) in place of token embeddings: images
+    lora_slots: torch.Tensor | None = None  # [T] each row's LoRA adapter slot; None: no row uses one (layers/lora.py)
 
 
 class ModelRunner:
@@ -99,6 +101,7 @@ class ModelRunner:
         embed_rows: list[int] = []
         embed_values: list[torch.Tensor] = []
         mrope: list[torch.Tensor | None] = []  # each piece's M-RoPE positions (Qwen2.5-VL's images), or None
+        adapters: list[tuple[int, int]] = []  # each piece's (LoRA slot, rows)
         for j, start, end, paged in pieces:
             seq, n = batch.seqs[j], end - start
             rows_of.setdefault(j, []).append((start, len(input_ids)))
@@ -118,6 +121,7 @@ class ModelRunner:
             if self.states is not None:
                 state_spans.append(StateSpan(len(input_ids), n, seq.state_slot, list(seq.state_saves)))
             input_ids += seq.tokens_to_compute(start, end)
+            adapters.append((seq.lora_slot, n))
             positions += range(start, end)
             mrope.append(seq.rope_positions(start, end))
             slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
@@ -166,7 +170,8 @@ class ModelRunner:
         embeds = None
         if embed_rows:
             embeds = (torch.tensor(embed_rows, dtype=torch.long, device=self.device), torch.cat(embed_values))
-        step = StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows, embeds)
+        step = StepInputs(torch.tensor(input_ids, device=self.device), meta, batch.copies, rows, embeds,
+                          step_slots(adapters, self.device))
         pooled: list[torch.Tensor] = []
         if pooling_seqs:
             hidden = self._hidden(step)
@@ -207,6 +212,16 @@ class ModelRunner:
 
     def _hidden(self, step: StepInputs) -> torch.Tensor:
         self.kv_cache.copy_blocks(step.copies)
+        lora_rows = getattr(self.model, "lora_rows", None)
+        if lora_rows is None or step.lora_slots is None:
+            return self._forward(step)
+        lora_rows.set(step.lora_slots)
+        try:
+            return self._forward(step)
+        finally:
+            lora_rows.set(None)
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
         if step.embeds is not None:
             return self.model(step.input_ids, step.meta, embeds=step.embeds)
         return self.model(step.input_ids, step.meta)

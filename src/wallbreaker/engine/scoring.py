@@ -13,16 +13,18 @@ from .sequence import Sequence
 
 
 def prompt_logits(engine: LLMEngine, token_ids: list[int], chunk_size: int | None = None,
-                  images: tuple = ()) -> torch.Tensor:
+                  images: tuple = (), lora_request=None) -> torch.Tensor:
     """[len(token_ids), vocab] float32 logits; row i predicts token i + 1. `images`: the prompt's
-    (a chunk never splits one: `Sequence.fit_chunk`)."""
+    (a chunk never splits one: `Sequence.fit_chunk`); `lora_request`: the LoRA adapter to run with."""
     if not token_ids:
         raise InvalidRequestError("nothing to score")
     if len(token_ids) > engine.max_model_len:
         raise InvalidRequestError(f"{len(token_ids)} tokens exceed max_model_len {engine.max_model_len}")
     scheduler = engine.scheduler
     chunk = chunk_size or scheduler.max_num_batched_tokens
-    seq = Sequence(-1, "score", 0, list(token_ids), len(token_ids), SamplingParams(), None, images=tuple(images))
+    adapter = engine.resolve_lora(lora_request)
+    seq = Sequence(-1, "score", 0, list(token_ids), len(token_ids), SamplingParams(), None, images=tuple(images),
+                   lora_slot=adapter.slot if adapter else 0, lora_key=adapter.key if adapter else None)
     rows = []
     try:
         while seq.num_computed_tokens < len(token_ids):

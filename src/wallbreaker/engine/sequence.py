@@ -50,6 +50,8 @@ class Sequence:
     generator: torch.Generator | None = None
     stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and the request's stop ids
     cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
+    lora_slot: int = 0  # the LoRA adapter's slot it runs with (0: none; lora/registry.py)
+    lora_key: bytes | None = None  # that adapter's key, chained into its blocks' hashes (kv/block_pool.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

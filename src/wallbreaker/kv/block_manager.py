@@ -65,13 +65,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def prompt_blocks(self, token_ids: list[int], cache_salt: str | None, num_tokens: int | None = None,
-                      num_prompt_tokens: int | None = None, images: tuple = ()) -> Iterator[tuple[bytes, tuple[int, ...]]]:
+                      num_prompt_tokens: int | None = None, images: tuple = (),
+                      adapter: bytes | None = None) -> Iterator[tuple[bytes, tuple[int, ...]]]:
         """(chained hash, tokens) of each full block of the first `num_tokens` tokens (default: all
         but the last, whose logits are needed, so at least it is computed again), of which the first
         `num_prompt_tokens` were the prompt (default: all). `images`: the prompt's images (their
-        `offset`, `end` and pixel `digest`), which key the blocks holding their soft tokens."""
+        `offset`, `end` and pixel `digest`), which key the blocks holding their soft tokens. `adapter`:
+        the key of the LoRA adapter the tokens are computed with (None: the base model)."""
         end = len(token_ids) - 1 if num_tokens is None else num_tokens
-        parent = salt_digest(cache_salt)
+        parent = salt_digest(cache_salt, adapter)
         for i in range(end // self.block_size):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             parent = hash_block(parent, tokens, self._prompt_in(i, num_prompt_tokens), self._images_in(i, images))
@@ -100,7 +102,8 @@ class BlockManager:
         blocks: list[Block] = []
         for block_hash, tokens in self.prompt_blocks(seq.token_ids, seq.cache_salt,
                                                      num_prompt_tokens=self._num_prompt(seq),
-                                                     images=getattr(seq, "images", ())):
+                                                     images=getattr(seq, "images", ()),
+                                                     adapter=getattr(seq, "lora_key", None)):
             block = self.pool.lookup(block_hash, tokens)
             if block is None:
                 break
@@ -113,7 +116,8 @@ class BlockManager:
         loaded: list[Block] = []
         for i, (block_hash, tokens) in enumerate(self.prompt_blocks(seq.token_ids, seq.cache_salt,
                                                                     num_prompt_tokens=self._num_prompt(seq),
-                                                                    images=getattr(seq, "images", ()))):
+                                                                    images=getattr(seq, "images", ()),
+                                                                    adapter=getattr(seq, "lora_key", None))):
             if i < start:
                 continue
             if self.pool.num_free <= 1:
@@ -268,7 +272,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            parent = seq.block_hashes[-1] if seq.block_hashes else salt_digest(seq.cache_salt)
+            parent = seq.block_hashes[-1] if seq.block_hashes else salt_digest(seq.cache_salt, getattr(seq, "lora_key", None))
             block_hash = hash_block(parent, tokens, self._prompt_in(i, self._num_prompt(seq)),
                                     self._images_in(i, getattr(seq, "images", ())))
             seq.block_hashes.append(block_hash)

@@ -44,12 +44,16 @@ def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], prompt_tok
     return digest.digest()
 
 
-def salt_digest(cache_salt: str | None) -> bytes | None:
+def salt_digest(cache_salt: str | None, adapter: bytes | None = None) -> bytes | None:
     """The parent digest of a request's first block: requests share cached blocks only when their
-    salts are equal (vLLM's per-request `cache_salt`, for tenants who must not share a cache)."""
-    if cache_salt is None:
+    salts are equal (vLLM's per-request `cache_salt`, for tenants who must not share a cache) and
+    they run with the same LoRA adapter (`adapter`: its key, lora/registry.py; None: the base model)."""
+    if cache_salt is None and adapter is None:
         return None
-    return hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest()
+    digest = hashlib.sha256(b"cache_salt:" + (cache_salt or "").encode())
+    if adapter is not None:
+        digest.update(b"|lora:" + adapter)
+    return digest.digest()
 
 
 class BlockPool:

@@ -28,6 +28,7 @@ from torch import nn
 from .. import kernels as qk
 from ..formats.mapping import file_mappings, mapped_file
 from .direct import DirectModule
+from .lora import LoRARows, LoRAWeights, add_lora
 
 
 _qmatmul = qk._C.qmatmul
@@ -65,6 +66,8 @@ def _in_calls_of(f, x2: torch.Tensor, rows: int) -> torch.Tensor:
 class Linear(nn.Module):
     batch_invariant = False
     prompt_rows: PromptRows | None = None
+    lora_rows: LoRARows | None = None  # set with `lora` where adapters are enabled (layers/lora.py)
+    lora: LoRAWeights | None = None  # every adapter slot's weights, once one targets this layer
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -73,6 +76,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """In the weights' dtype (the residual stream between layers is float32 on every path)."""
+        rows = self.lora_rows
+        if rows is not None and rows.slots is not None and self.lora is not None:
+            return add_lora(self._base(x), x, self.lora, rows, self.batch_invariant)
+        return self._base(x)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
         if not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
@@ -93,6 +102,8 @@ class QuantLinear(DirectModule):
 
     batch_invariant = False
     prompt_rows: PromptRows | None = None
+    lora_rows: LoRARows | None = None  # as Linear's
+    lora: LoRAWeights | None = None
 
     def __init__(self, segments: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
@@ -131,6 +142,9 @@ class QuantLinear(DirectModule):
                 y = _qmatmul_dense(x2[split:], self.blocks, self.qtypes, qk.DENSE_TILE_ROWS, PROMPT_ROWS)
                 if split:
                     y = torch.cat([_qmatmul(x2[:split], self.blocks, self.qtypes), y])
+        rows = self.lora_rows
+        if rows is not None and rows.slots is not None and self.lora is not None:
+            y = add_lora(y, x2, self.lora, rows, self.batch_invariant)
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], -1)
         return y if self._bias is None else y + self._bias

@@ -8,6 +8,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..layers.attention import AttentionMetadata
 from ..layers.linear import Linear, PromptRows, QuantLinear
+from ..layers.lora import LoRARows
 from ..layers.norm import RMSNorm
 from ..layers.recurrent import RecurrentMixer
 from .decoder_plan import DecoderStackPlan
@@ -32,6 +33,7 @@ class CausalLM(nn.Module):
     layer_class: type[nn.Module]
     batch_invariant = False  # set_batch_invariant
     prompt_rows: PromptRows | None = None  # set_batch_invariant
+    lora_rows: LoRARows | None = None  # where LoRA adapters are enabled (lora/registry.py)
     final_norm = "output_norm.weight"  # the norm after the last layer (LFM2 stores it as token_embd_norm)
 
     def __init__(self, cfg: ModelConfig, src: WeightSource):
@@ -81,7 +83,9 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if embeds is not None:
             h[embeds[0]] = embeds[1].to(h.dtype)
-        planned = self.decoder_plan.run(h, meta)
+        # a step with LoRA rows runs the layers here: the C++ stack has no adapters
+        planned = None if self.lora_rows is not None and self.lora_rows.slots is not None \
+            else self.decoder_plan.run(h, meta)
         if planned is not None:
             return self.norm.add_and_norm(*planned)
         if self.prompt_rows is not None:

@@ -80,8 +80,12 @@ class WeightSource:
         Under tensor parallelism, "column" keeps this rank's output rows and "row" its input columns
         (the ranks' partial products then summed); `slices[i]` is the range of names[i] it keeps,
         an even share by default."""
-        return self.linear_of([self.weights[n] for n in names], [self.weights[n] for n in bias_names or []],
-                              parallel, slices)
+        module = self.linear_of([self.weights[n] for n in names], [self.weights[n] for n in bias_names or []],
+                                parallel, slices)
+        if self.shard is None:
+            # its segments (weight name, rows), which adapters target (lora/registry.py)
+            module.lora_segments = tuple((n, self.weights[n].shape[0]) for n in names)
+        return module
 
     def linear_of(self, refs: list[WeightRef], bias_refs: list[WeightRef] | None = None,
                   parallel: Literal["column", "row"] | None = None, slices: list[range] | None = None,

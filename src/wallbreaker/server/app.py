@@ -17,6 +17,7 @@ from .anthropic_messages import add_anthropic_messages
 from .config import ServerConfig
 from .errors import APIError, install_error_handlers, parse_body
 from .guards import BodyGuard, HostCheck, OriginCheck, allowed_hosts_for
+from .lora_adapters import add_lora_routes
 from .metrics import ServerMetrics
 from .ollama_api import add_ollama_api
 from .openai_responses import add_openai_responses
@@ -108,6 +109,7 @@ def build_app(llm: LLM | ModelRouter, config: ServerConfig | None = None, **sett
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(request)
 
+    add_lora_routes(app, v1)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     add_session_routes(app, v1)  # POST /sessions/{name}/save|restore, DELETE /sessions/{name}
 
     @app.post("/infill", dependencies=v1, openapi_extra=_json_body(InfillRequest))

@@ -49,6 +49,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "wallbreaker"
     max_model_len: int | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(BaseModel):

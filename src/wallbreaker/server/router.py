@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -31,12 +31,15 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..config import ModelConfig
 from ..errors import InvalidRequestError, WallbreakerError
 from ..kv.cache import HEADROOM_GB
 from ..llm import LLM
 from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .errors import APIError, bad_request
+from ..lora.request import LoRARequest
+from .lora_adapters import LoRAModule, ServedAdapters, adapter_view
 from .metrics import ServerMetrics
 from .model_sources import DEFAULT_KEEP_ALIVE_S, FOREVER, ModelSource, parse_keep_alive
 from .ollama_models import model_entry, running_entry, show_body
@@ -131,9 +134,13 @@ class SingleModel:
 
     def __init__(self, state: ServerState):
         self.state = state
+        self.adapters = ServedAdapters(state)  # a name of one of them means the model with that adapter
+        registry = state.llm.engine.loras
+        for adapter in registry.adapters.values() if registry is not None else ():
+            self.adapters.add_view(adapter.name, adapter.path)
 
     async def acquire(self, request: Request, model: str | None, keep_alive: float | None = None) -> ServerState:
-        return self.state
+        return self.adapters.view(model) or self.state
 
     async def preload(self, request: Request, model: str | None, keep_alive: Any) -> None:
         _keep_alive_of(keep_alive)  # checked; the model stays loaded while the server runs
@@ -145,7 +152,9 @@ class SingleModel:
         return [self.state]
 
     def cards(self) -> list[ModelCard]:
-        return [ModelCard(id=self.state.model_name, max_model_len=self.state.llm.max_model_len)]
+        base = self.state.model_name
+        return [ModelCard(id=base, max_model_len=self.state.llm.max_model_len)] + \
+            [ModelCard(id=name, max_model_len=self.state.llm.max_model_len, parent=base) for name in self.adapters.views]
 
     def tags(self) -> list[dict]:
         return [model_entry(self.state)]
@@ -159,6 +168,24 @@ class SingleModel:
 
 
 # -- many models ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UnloadedModel:
+    """What the listings (server/ollama_models.py) read of an `LLM`, for a model that is not loaded:
+    read once from its files, no weights loaded."""
+    model_path: Path
+    model_config: ModelConfig
+    chat_template: Any  # text.chat_template.ChatTemplate
+    max_model_len: int
+    takes_images: bool = False  # its vision encoder is found when it loads
+
+
+@dataclass(frozen=True)
+class UnloadedState:
+    """An unloaded model in the place of its `ServerState`, for the listings."""
+    llm: UnloadedModel
+    model_name: str
+
+
 @dataclass(eq=False)
 class Slot:
     """One model's place in the router; touched only on the event loop."""
@@ -172,7 +199,7 @@ class Slot:
     expires_at: float | None = None  # wall clock; None: not counting down
     timer: asyncio.TimerHandle | None = None
     size: int | None = None  # bytes once loaded (an estimate from its files before)
-    described: Any = None  # what /api/tags and /api/show say of it unloaded, read once
+    described: UnloadedState | None = None  # what /api/tags and /api/show say of it unloaded, read once
 
 
 class ModelRouter:
@@ -180,9 +207,11 @@ class ModelRouter:
 
     def __init__(self, sources: list[ModelSource], load: Callable[[ModelSource], LLM],
                  keep_alive: float = DEFAULT_KEEP_ALIVE_S, max_memory_bytes: int | None = None,
-                 extra_bytes: int = 0):
+                 extra_bytes: int = 0, lora_modules: list[LoRAModule] = ()):
         """`load` makes a source's LLM (it runs in a worker thread); `extra_bytes` is added to a
-        model's file size to estimate its first load (a fixed KV pool's size)."""
+        model's file size to estimate its first load (a fixed KV pool's size). `lora_modules`: adapters
+        served as models of their own, each on its base model (loaded with `enable_lora`), the adapter
+        read when a request first names it."""
         if not sources:
             raise WallbreakerError("no models to serve: --models-dir found none and no --model was given")
         if not keep_alive >= 0:
@@ -190,6 +219,15 @@ class ModelRouter:
         if max_memory_bytes is not None and max_memory_bytes <= 0:
             raise InvalidRequestError(f"the memory budget must be positive, got {max_memory_bytes} bytes")
         self.slots = {s.name: Slot(s, keep_alive=keep_alive) for s in sources}
+        self.adapters: dict[str, tuple[str, LoRARequest]] = {}  # adapter name -> (its base's name, request)
+        for i, m in enumerate(lora_modules, start=1):
+            base = m.base or (next(iter(self.slots)) if len(self.slots) == 1 else None)
+            if base not in self.slots:
+                raise WallbreakerError(f"--lora-modules {m.name}: name its base model, one of {', '.join(self.slots)} "
+                                       f"(the JSON form's base_model_name)")
+            if m.name in self.slots or m.name in self.adapters:
+                raise WallbreakerError(f"--lora-modules {m.name}: the name is already a model's")
+            self.adapters[m.name] = (base, LoRARequest(m.name, i, m.path))
         for s in sources:
             s.remember_digest()
         self.load_fn = load
@@ -219,6 +257,8 @@ class ModelRouter:
     def slot(self, model: str | None) -> Slot:
         """The slot a request's model names: with one model, any name (or none) is that model; with
         several, a name (Ollama's `name:latest` too) or a 404 naming the ones served."""
+        if model in self.adapters:
+            return self.slots[self.adapters[model][0]]
         if len(self.slots) == 1:
             return next(iter(self.slots.values()))
         available = ", ".join(f"'{n}'" for n in self.slots)
@@ -243,7 +283,7 @@ class ModelRouter:
                 released = True
                 self._release(slot, keep_alive)
         leases.append(release)
-        return state
+        return adapter_view(state, self.adapters[model][1]) if model in self.adapters else state
 
     async def _hold(self, slot: Slot) -> ServerState:
         slot.active += 1  # held from now: a model loading for a request is not idle (never evicted)
@@ -410,8 +450,11 @@ class ModelRouter:
         return [name for name, s in self.slots.items() if s.state is not None]
 
     def cards(self) -> list[ModelCard]:
-        return [ModelCard(id=name, max_model_len=s.state.llm.max_model_len if s.state is not None else None)
-                for name, s in self.slots.items()]
+        def length(s: Slot) -> int | None:
+            return s.state.llm.max_model_len if s.state is not None else None
+        return [ModelCard(id=name, max_model_len=length(s)) for name, s in self.slots.items()] + \
+            [ModelCard(id=name, max_model_len=length(self.slots[base]), parent=base)
+             for name, (base, _) in self.adapters.items()]
 
     def tags(self) -> list[dict]:
         """Ollama's /api/tags: every model served, loaded or not (run in a worker thread: it may read files)."""
@@ -444,16 +487,13 @@ class ModelRouter:
             raise APIError(500, f"the model '{slot.source.name}' cannot be read: {e}", type="server_error",
                            param="model", code="model_load_failed") from None
 
-    def _described(self, slot: Slot) -> Any:
-        """A stand-in for an unloaded model's state, with what the listings read: its config, chat
-        template and path (read once from its files: no weights are loaded)."""
+    def _described(self, slot: Slot) -> UnloadedState:
+        """A stand-in for an unloaded model's state, with what the listings read (read once)."""
         if slot.described is None:
             from ..formats import open_model
             files = open_model(slot.source.model)
-            llm = SimpleNamespace(model_path=files.path, model_config=files.config, chat_template=files.chat_template,
-                                  max_model_len=files.config.max_position_embeddings,
-                                  takes_images=False)  # its vision encoder is found when it loads
-            slot.described = SimpleNamespace(llm=llm, model_name=slot.source.name)
+            llm = UnloadedModel(files.path, files.config, files.chat_template, files.config.max_position_embeddings)
+            slot.described = UnloadedState(llm, slot.source.name)
         return slot.described
 
     def _entry(self, slot: Slot) -> dict:
