@@ -116,10 +116,21 @@ def test_refuses_what_it_does_not_run(tmp_path, folder, gguf_f32):
     (bad / "config.json").write_text(json.dumps({**config, "value_dim": [32, 32]}))
     with pytest.raises(UnsupportedModelError, match="value_dim"):
         LLM(str(bad))
-    with pytest.raises(UnsupportedModelError, match="tokenizer model 'rwkv'"):  # the converter's own, RWKV World
-        LLM(str(gguf_f32.parent / "rwkv7-f32.gguf"))
     with pytest.raises(Exception, match="tensor parallelism"):
         LLM(str(folder), tensor_parallel_size=2)
+
+
+def test_the_converters_world_tokenizer_encodes_as_blinkdls(folder, gguf_f32):
+    """The converter's own GGUF (its RWKV World vocabulary: the folder's vocabulary file, "<s>" first)
+    loads, and encodes as BlinkDL's TRIE_TOKENIZER on that file."""
+    from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
+
+    from wallbreaker.formats.gguf_model import read_gguf_model
+    from wallbreaker.text.rwkv_world import VOCAB_FILE
+    ours = read_gguf_model(gguf_f32.parent / "rwkv7-f32.gguf").tokenizer
+    text = "The quick brown fox, 中文, emoji 🚀\n\n\tand code: x = f(y) ** 2"
+    assert ours.encode(text) == TRIE_TOKENIZER(str(folder / VOCAB_FILE)).encode(text)
+    assert ours.decode(ours.encode(text)) == text
 
 
 # -- the C++ WKV update ---------------------------------------------------------------------------

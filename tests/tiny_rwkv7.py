@@ -1,7 +1,8 @@
 """A tiny random-weight RWKV-7 made as BlinkDL's `.pth` state dict (what PyPI `rwkv`, the reference,
 loads) and written as the Hugging Face folder of fla-hub's `RWKV7ForCausalLM` layout (what llama.cpp's
 converter reads), with SmolLM2's tokenizer (as wallbreaker writes it); and that converter's GGUF with SmolLM2's tokenizer in
-place of the RWKV World one it writes (wallbreaker has no RWKV World tokenizer).
+place of the RWKV World one it writes, so that the folder (SmolLM2's tokenizer.json) and the GGUF encode alike
+(the World tokenizer itself: tests/test_rwkv_world_tokenizer.py).
 
 The BlinkDL -> fla mapping is this file's own; the reference's numbers come from `rwkv`'s forward."""
 from __future__ import annotations

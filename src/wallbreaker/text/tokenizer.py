@@ -21,6 +21,8 @@ from tokenizers.models import BPE
 from wallbreaker.config import short_repr
 from wallbreaker.errors import ModelFormatError, UnsupportedModelError, WallbreakerError
 
+from . import rwkv_world
+
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -111,11 +113,12 @@ def _unicode_to_bytes() -> dict[str, int]:
 
 
 class Tokenizer:
-    """Wraps a `tokenizers.Tokenizer`; encodes and decodes exactly as the model's own."""
+    """Wraps a `tokenizers.Tokenizer` (or RWKV's World tokenizer, text/rwkv_world.py, which offers the
+    same methods); encodes and decodes exactly as the model's own."""
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Backend | rwkv_world.ByteTrie,
         *,
         bos_token_id: int | None,
         eos_token_id: int | None,
@@ -180,6 +183,8 @@ class Tokenizer:
         token = self.id_to_token(i)
         if token is None:
             raise IndexError(f"token id {i} is outside the vocabulary of {self.vocab_size}")
+        if isinstance(self._backend, rwkv_world.ByteTrie):
+            return self._backend.spellings[i]
         if i in self._added_ids:
             return token.encode()
         if self._byte_level:
@@ -242,9 +247,12 @@ class Tokenizer:
             elif model == "llama":
                 backend = _sentencepiece_backend(metadata, tokens, types)
                 add_bos_default, default_bos, default_eos = True, 1, 2
+            elif model == "rwkv":
+                backend = rwkv_world.from_gguf_tokens(tokens, types, CONTROL)
+                add_bos_default, default_bos, default_eos = False, None, None
             else:
                 raise UnsupportedModelError(
-                    f"tokenizer model {short_repr(model)} is not supported (supported: 'gpt2', 'llama')"
+                    f"tokenizer model {short_repr(model)} is not supported (supported: 'gpt2', 'llama', 'rwkv')"
                 )
         except WallbreakerError:
             raise
@@ -281,9 +289,21 @@ class Tokenizer:
         )
 
     @classmethod
+    def _rwkv_world_folder(cls, path: Path) -> Tokenizer:
+        """RWKV's World tokenizer from a folder's vocabulary file (fla-hub's, whose own tokenizer is
+        remote code), as llama.cpp's converter puts it into a GGUF: BOS and EOS "<s>", neither added,
+        and "\\n\\n" also ending a turn."""
+        backend = rwkv_world.from_vocab_file(path / rwkv_world.VOCAB_FILE)
+        turn_end = backend.token_to_id(rwkv_world.TURN_END)
+        return cls(backend, bos_token_id=0, eos_token_id=0, add_bos=False, byte_level=False,
+                   stop_token_ids=() if turn_end is None else (turn_end,), vocab_size=len(backend.texts))
+
+    @classmethod
     def from_hf_folder(cls, path: Path | str) -> Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json"
+        if not file.is_file() and (path / rwkv_world.VOCAB_FILE).is_file():
+            return cls._rwkv_world_folder(path)
         if not file.is_file():
             raise ModelFormatError(f"{path} has no tokenizer.json")
         try:
