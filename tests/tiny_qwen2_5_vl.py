@@ -31,7 +31,10 @@ QWEN2_5_VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
+def make_tiny_qwen2_5_vl(out: Path, seed: int = 0, window_size: int = 56, min_pixels: int = 56 * 56,
+                         max_pixels: int = MAX_PIXELS) -> Path:
+    """`window_size` and the pixel bounds as llama.cpp's clip.cpp takes them (112, 8 and 4096 merged
+    blocks) make a folder whose GGUF pair preprocesses and encodes as the folder does."""
     import transformers as tf
     from tiny_recurrent import smollm2_tokenizer
     from tokenizers import AddedToken
@@ -47,7 +50,7 @@ def make_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
-    config = tf.Qwen2_5_VLConfig(text_config=text, vision_config={**VISION, "out_hidden_size": 64},
+    config = tf.Qwen2_5_VLConfig(text_config=text, vision_config={**VISION, "window_size": window_size, "out_hidden_size": 64},
                                  image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                                  vision_start_token_id=ids["<|vision_start|>"],
                                  vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
@@ -66,7 +69,7 @@ def make_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": MAX_PIXELS,
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": min_pixels, "max_pixels": max_pixels,
         "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
         "resample": 3, "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True,
         "do_convert_rgb": True}, indent=2))
