@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from vision_models import (assert_greedy_matches, assert_logits_match, assert_same_answers, conversation,
-                           float32_llm, photo, qwen2_vl_inputs)
+                           convert_pair, float32_llm, photo, qwen2_vl_inputs)
 from wallbreaker.errors import InvalidRequestError, UnsupportedModelError
 
 pytest.importorskip("tiny_recurrent")
@@ -20,16 +20,13 @@ MAX_LEN = 512  # a 512x512 photograph is 18x18 = 324 image tokens at clip.cpp's 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, llamacpp_converter, packaged_model):
-    from llamacpp_converter import convert
     from tiny_qwen2_5_vl import make_tiny_qwen2_5_vl
     from wallbreaker.vision.qwen2_5_vl_mmproj import MAX_TOKENS, MIN_TOKENS, WINDOW
     packaged_model("smollm2")  # its tokenizer is one the converter recognizes
     root = tmp_path_factory.mktemp("tiny_qwen2_5_vl_gguf")
     folder = make_tiny_qwen2_5_vl(root / "hf", window_size=WINDOW, min_pixels=MIN_TOKENS * 28 * 28,
                                   max_pixels=MAX_TOKENS * 28 * 28)
-    (root / "gguf").mkdir()
-    text = convert(llamacpp_converter, folder, "f32", root / "gguf" / "model-f32.gguf")
-    mmproj = convert(llamacpp_converter, folder, "f32", root / "gguf" / "mmproj-model-f32.gguf", ("--mmproj",))
+    text, mmproj = convert_pair(llamacpp_converter, folder, root / "gguf")
     return folder, text, mmproj
 
 
@@ -40,8 +37,8 @@ def reference(files):
     from tiny_qwen2_5_vl import CLIP_MEAN, CLIP_STD
     from wallbreaker.vision.qwen2_5_vl_mmproj import MAX_TOKENS, MIN_TOKENS
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(files[0], dtype=torch.float32).eval()
-    images = Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_TOKENS * 28 * 28, "longest_edge": MAX_TOKENS * 28 * 28},
-                                      image_mean=CLIP_MEAN, image_std=CLIP_STD)
+    size = {"shortest_edge": MIN_TOKENS * 28 * 28, "longest_edge": MAX_TOKENS * 28 * 28}
+    images = Qwen2VLImageProcessorPil(size=size, image_mean=CLIP_MEAN, image_std=CLIP_STD)
     return model, AutoTokenizer.from_pretrained(files[0]), images
 
 
@@ -81,7 +78,7 @@ def test_an_mmproj_beside_the_text_gguf_is_found(files, tmp_path):
 
 def test_an_mmproj_of_another_family_is_refused(files, tiny_gemma3):
     _, text, mmproj = files
-    with pytest.raises(InvalidRequestError, match="qwen2.5vl_merger projector goes with qwen2vl text models, not gemma3"):
+    with pytest.raises(InvalidRequestError, match="goes with qwen2vl text models, not gemma3"):
         float32_llm(tiny_gemma3.gguf_path, MAX_LEN, mmproj=str(mmproj), kv_cache_memory_gb=0.02)
 
 

@@ -50,6 +50,12 @@ def float32_llm(path, max_model_len: int, **kwargs) -> LLM:
                max_model_len=max_model_len, **kwargs)
 
 
+def processor_inputs(processor, messages: list[dict]) -> dict:
+    """The reference's inputs for `messages`: the processor's chat template, tokens and pixels."""
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
+
 def _fresh(model) -> None:
     """Qwen2.5-VL keeps the last prompt's M-RoPE offset between calls; each call here starts anew."""
     if hasattr(model.model, "rope_deltas"):
@@ -117,3 +123,11 @@ def qwen2_vl_inputs(model, tokenizer, image_processor, messages: list[dict]) -> 
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     return {"input_ids": ids, "pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"],
             "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+
+
+def convert_pair(converter, folder, out) -> tuple:
+    """llama.cpp's converter on `folder`: the F32 text GGUF and its mmproj in the folder `out`."""
+    from llamacpp_converter import convert
+    out.mkdir(parents=True, exist_ok=True)
+    return (convert(converter, folder, "f32", out / "model-f32.gguf"),
+            convert(converter, folder, "f32", out / "mmproj-model-f32.gguf", ("--mmproj",)))

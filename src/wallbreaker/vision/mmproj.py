@@ -43,7 +43,8 @@ def tower_name(name: str) -> str | None:
 TEXT_ARCHITECTURES = {"gemma3": ("gemma3",), "idefics3": ("llama",), "qwen2.5vl_merger": ("qwen2vl",)}
 
 
-def read_mmproj(path: str | os.PathLike, tokenizer, architecture: str | None = None) -> "Gemma3Vision | Idefics3Vision | Qwen25VLVision":
+def read_mmproj(path: str | os.PathLike, tokenizer,
+                architecture: str | None = None) -> "Gemma3Vision | Idefics3Vision | Qwen25VLVision":
     """The vision side in an mmproj file, for a text model of `architecture` (checked) and `tokenizer`."""
     path = Path(path).expanduser()
     if not path.is_file():
