@@ -90,6 +90,9 @@ def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
         from .vision.qwen2_5_vl import Qwen25VLVision, is_qwen2_5_vl_config
         if is_qwen2_5_vl_config(hf):
             return Qwen25VLVision.from_folder(files.path, files.tokenizer)
+        from .vision.qwen3_vl import is_qwen3_vl_config, load_qwen3_vl
+        if is_qwen3_vl_config(hf):
+            return load_qwen3_vl(files.path, files.tokenizer)
         return None
     if mmproj is None:
         found = sorted(Path(files.path).parent.glob("mmproj*.gguf"))
