@@ -24,7 +24,9 @@ VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_
 HALF = [0.5, 0.5, 0.5]
 
 
-def make_tiny_qwen3_vl(out: Path, seed: int = 0) -> Path:
+def make_tiny_qwen3_vl(out: Path, seed: int = 0, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> Path:
+    """The pixel bounds as llama.cpp's clip.cpp takes them (8 and 4096 merged blocks) make a folder whose
+    GGUF pair preprocesses as the folder does."""
     import transformers as tf
     from tiny_recurrent import smollm2_tokenizer
     from tokenizers import AddedToken
@@ -60,7 +62,7 @@ def make_tiny_qwen3_vl(out: Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": min_pixels, "max_pixels": max_pixels,
         "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": HALF, "image_std": HALF,
         "resample": 3, "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True,
         "do_convert_rgb": True}, indent=2))

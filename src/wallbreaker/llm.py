@@ -104,6 +104,11 @@ def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
     if vision.hidden_size != files.config.hidden_size:
         raise InvalidRequestError(f"mmproj {mmproj}: its projection gives vectors of {vision.hidden_size}, the text "
                                   f"model's embeddings are {files.config.hidden_size} wide: not this model's")
+    deepstack = len(getattr(getattr(vision.tower, "cfg", None), "deepstack_visual_indexes", ()))
+    expected = files.metadata.get(f"{files.config.architecture}.n_deepstack_layers", 0) if files.metadata else 0
+    if deepstack != expected:  # Qwen3-VL: the text model adds as many DeepStack features as the mmproj gives
+        raise InvalidRequestError(f"mmproj {mmproj}: {deepstack} DeepStack mergers, the text model takes {expected}: "
+                                  f"not this model's")
     return vision
 
 

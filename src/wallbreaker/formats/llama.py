@@ -2,7 +2,7 @@
 read and write them: Llama with Mistral (a sliding window) and Mixtral (experts), Qwen2/3 (a window
 only with `use_sliding_window`, from `max_window_layers` on), Qwen3-MoE, Phi-3 (q/k/v and gate/up
 stored fused, LongRoPE's original context at the top level of config.json), Qwen2.5-VL's decoder as
-llama.cpp's converter writes it (`qwen2vl`: Qwen2 with M-RoPE sections)."""
+llama.cpp's converter writes it (`qwen2vl`: Qwen2 with M-RoPE sections), and Qwen3-VL's (`qwen3vl`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -41,6 +41,15 @@ def qwen2vl_gguf_fields(k: Any) -> dict[str, Any]:
     if len(sections) == 4 and sections[3]:
         raise unsupported(k.name, f"{k.a}rope.dimension_sections {short_repr(sections)} (a fourth section)")
     return dict(mrope_section=tuple(sections[:3]))
+
+
+def qwen3vl_gguf_fields(k: Any) -> dict[str, Any]:
+    """Qwen3-VL's decoder (`qwen3vl`): Qwen2.5-VL's sections, interleaved as llama.cpp's IMROPE is;
+    `n_deepstack_layers` is checked against the mmproj's DeepStack mergers where the two meet (llm.py)."""
+    n = k.integer(k.a + "n_deepstack_layers", 0)
+    if n < 0 or n > k.layers:
+        raise unsupported(k.name, f"{k.a}n_deepstack_layers {n} (of {k.layers} layers)")
+    return dict(qwen2vl_gguf_fields(k), mrope_interleaved=True)
 
 
 def llama_hf_model_type(c: ModelConfig) -> str:
