@@ -156,7 +156,8 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
     if spec.qk_norm:
         extra["qk_norm"] = True
     if isinstance(rope.get("mrope_section"), list):  # Qwen2.5-VL's and Qwen3-VL's decoders
-        extra.update(mrope_section=tuple(rope["mrope_section"]), mrope_interleaved=rope.get("mrope_interleaved") is True)
+        extra.update(mrope_section=tuple(rope["mrope_section"]),
+                     mrope_interleaved=rope.get("mrope_interleaved") is True)
     if spec.hf_fields is not None:
         extra.update(spec.hf_fields(hf, where))
     extra.update(arch_fields)

@@ -72,12 +72,13 @@ class Qwen3VisionConfig:
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the encoder reads (transformers' names under `visual.`)."""
-        h, f, m2, out = self.hidden_size, self.intermediate_size, self.hidden_size * self.spatial_merge_size ** 2, \
-            self.out_hidden_size
+        h, f, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
+        m2, p = h * self.spatial_merge_size ** 2, self.patch_size
         shapes: dict[str, tuple[int, ...]] = {
-            "patch_embed.proj.weight": (h, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size),
+            "patch_embed.proj.weight": (h, self.in_channels, self.temporal_patch_size, p, p),
             "patch_embed.proj.bias": (h,), "pos_embed.weight": (self.num_position_embeddings, h)}
-        mergers = {"merger.": h, **{f"deepstack_merger_list.{k}.": m2 for k in range(len(self.deepstack_visual_indexes))}}
+        mergers = {"merger.": h, **{f"deepstack_merger_list.{k}.": m2
+                                    for k in range(len(self.deepstack_visual_indexes))}}
         for q, norm in mergers.items():
             shapes.update({q + "norm.weight": (norm,), q + "norm.bias": (norm,), q + "linear_fc1.weight": (m2, m2),
                            q + "linear_fc1.bias": (m2,), q + "linear_fc2.weight": (out, m2),
@@ -124,7 +125,8 @@ class Qwen3VisionEncoder(nn.Module):
         """[n, hidden] -> [n / merge**2, out hidden]: the norm before or after each merge-block is
         concatenated, then the GELU MLP."""
         width = self.cfg.hidden_size * self.cfg.spatial_merge_size ** 2
-        x = self._norm(q + "norm", x.reshape(-1, width)) if after_shuffle else self._norm(q + "norm", x).reshape(-1, width)
+        x = self._norm(q + "norm", x.reshape(-1, width)) if after_shuffle else \
+            self._norm(q + "norm", x).reshape(-1, width)
         w = self.w
         return F.linear(F.gelu(F.linear(x, w[q + "linear_fc1.weight"], w[q + "linear_fc1.bias"])),
                         w[q + "linear_fc2.weight"], w[q + "linear_fc2.bias"])
@@ -153,7 +155,8 @@ class Qwen3VisionEncoder(nn.Module):
             out = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
                                                  vs.transpose(0, 1)[None], scale=head_dim ** -0.5)[0].transpose(0, 1)
             x = x + self._lin(q + "attn.proj", out.reshape(n, -1))
-            x = x + self._lin(q + "mlp.linear_fc2", self.act(self._lin(q + "mlp.linear_fc1", self._norm(q + "norm2", x))))
+            y = self.act(self._lin(q + "mlp.linear_fc1", self._norm(q + "norm2", x)))
+            x = x + self._lin(q + "mlp.linear_fc2", y)
             if i in cfg.deepstack_visual_indexes:
                 k = cfg.deepstack_visual_indexes.index(i)
                 deepstack.append(self._merge(f"deepstack_merger_list.{k}.", x, after_shuffle=True))

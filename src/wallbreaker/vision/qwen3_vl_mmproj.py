@@ -43,14 +43,15 @@ def read_qwen3_vl(gf, label: str, tokenizer, key) -> Qwen25VLVision:
         "spatial_merge_size": key("spatial_merge_size", 2), "out_hidden_size": int(tensors["mm.2.weight"].shape[0]),
         "num_position_embeddings": int(tensors["v.position_embd.weight"].shape[0]),
         "deepstack_visual_indexes": [i for i, on in enumerate(layers) if on],
-        "hidden_act": "gelu_pytorch_tanh" if gf.get("clip.use_gelu") else "silu" if gf.get("clip.use_silu") else "gelu"},
-        label)
+        "hidden_act": "gelu_pytorch_tanh" if gf.get("clip.use_gelu") else "silu" if gf.get("clip.use_silu")
+        else "gelu"}, label)
     tensors["v.patch_embd.weight"] = torch.stack([tensors["v.patch_embd.weight"],
                                                   tensors.pop("v.patch_embd.weight.1")], dim=2)
     renamed = {_folder_name(cfg, name): t for name, t in tensors.items()}
     if None in renamed:
         extra = next(name for name in tensors if _folder_name(cfg, name) is None)
-        raise ModelFormatError(f"{label}: the vision encoder's tensor {extra!r} is not used; refusing to run without it")
+        raise ModelFormatError(f"{label}: the vision encoder's tensor {extra!r} is not used; refusing to run "
+                               f"without it")
     _check(label, "vision encoder", renamed, cfg.tensor_shapes())
     unit = cfg.patch_size * cfg.spatial_merge_size
     processor = Qwen2VLImageProcessor(
