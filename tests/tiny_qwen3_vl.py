@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tiny_qwen2_5_vl import ADDED, QWEN2_5_VL_CHAT_TEMPLATE
+from tiny_qwen2_5_vl import ADDED, QWEN2_5_VL_CHAT_TEMPLATE, randomize
 
 UNIT = 32  # pixels of a merged block's side: patch 16, merge 2
 MAX_PIXELS = UNIT * UNIT * 36
@@ -49,16 +49,7 @@ def make_tiny_qwen3_vl(out: Path, seed: int = 0, min_pixels: int = MIN_PIXELS, m
                               tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = tf.Qwen3VLForConditionalGeneration(config).float().eval()
-    with torch.no_grad():  # weights large enough for peaked logits, norms off their neutral values
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "visual" in name:
-                p.normal_(0.0, 0.1 if p.dim() == 1 else 0.15)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, 0.08)
+    randomize(model, lambda name: "norm" in name and name.endswith("weight"))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps({

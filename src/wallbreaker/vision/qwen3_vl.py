@@ -17,19 +17,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .gemma3 import _check
-from .qwen2_5_vl import IMAGE_PAD, Qwen25VLVision, _rotate_half, rotary_positions
-from .qwen2_vl_preprocess import Qwen2VLImageProcessor
+from .qwen2_5_vl import (_ACTIVATIONS, Qwen25VisionEncoder, Qwen25VLVision, _rotate_half, folder_processor,
+                         image_token, read_visual, rotary_positions)
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 NORM_EPS = 1e-6  # transformers' LayerNorms in the blocks and the mergers
 
 
@@ -93,30 +89,10 @@ class Qwen3VisionConfig:
         return shapes
 
 
-class Qwen3VisionEncoder(nn.Module):
-    def __init__(self, cfg: Qwen3VisionConfig, tensors: dict[str, torch.Tensor]):
-        super().__init__()
-        self.cfg = cfg
-        self.w = {name: t.float().contiguous() for name, t in tensors.items()}
-        self.act = _ACTIVATIONS[cfg.hidden_act]
-        spatial = cfg.hidden_size // cfg.num_heads // 2
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
-        self.linears: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # `use_linears`; else F.linear
+class Qwen3VisionEncoder(Qwen25VisionEncoder):
+    """Qwen2.5-VL's encoder's weights, rotary frequencies and `auto`-path projections; its own blocks."""
 
     LINEARS = ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
-
-    def use_linears(self, make: Callable[[torch.Tensor, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]) -> None:
-        """Run the blocks' projections through `make(weight, bias)`'s modules (the `auto` path)."""
-        for i in range(self.cfg.depth):
-            for proj in self.LINEARS:
-                name = f"blocks.{i}.{proj}"
-                self.linears[name] = make(self.w.pop(name + ".weight"), self.w.pop(name + ".bias"))
-
-    def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        module = self.linears.get(name)
-        if module is not None:
-            return module(x).float()
-        return F.linear(x, self.w[name + ".weight"], self.w[name + ".bias"])
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.w[name + ".weight"], self.w[name + ".bias"], NORM_EPS)
@@ -182,10 +158,6 @@ def position_embeddings(table: torch.Tensor, rc: torch.Tensor, gh: int, gw: int)
     return (table[index] * weight[..., None]).sum(1)
 
 
-# where checkpoints keep the encoder: transformers 5 saves `model.visual.*`, Qwen's releases `visual.*`
-_PREFIXES = ("model.visual.", "visual.")
-
-
 def is_qwen3_vl_config(hf: Any) -> bool:
     return isinstance(hf, dict) and hf.get("model_type") == "qwen3_vl" and isinstance(hf.get("vision_config"), dict)
 
@@ -194,24 +166,8 @@ def load_qwen3_vl(path: Path, tokenizer) -> Qwen25VLVision:
     """The vision side of a Hugging Face `Qwen3VLForConditionalGeneration` folder: the encoder, the
     image processor (`Qwen2VLImageProcessor` at Qwen3-VL's patch size), the image token; the family
     otherwise behaves as Qwen2.5-VL's (`Qwen25VLVision`)."""
-    from safetensors import safe_open
-
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     cfg = Qwen3VisionConfig.from_hf(hf.get("vision_config") or {}, f"{path}/config.json")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
-                if prefix is not None:
-                    tensors[name[len(prefix):]] = f.get_tensor(name)
-    _check(str(path), "vision encoder", tensors, cfg.tensor_shapes())
-    processor = Qwen2VLImageProcessor.from_folder(path)
-    if (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != \
-            (cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size):
-        raise ModelFormatError(f"{path}: the image processor's patch, merge and temporal sizes are not the encoder's")
-    image_id = hf.get("image_token_id")
-    if tokenizer.token_to_id(IMAGE_PAD) != image_id:
-        raise ModelFormatError(f"{path}/config.json: image_token_id {image_id!r} is not the tokenizer's {IMAGE_PAD}")
-    return Qwen25VLVision(Qwen3VisionEncoder(cfg, tensors), processor, image_id)
+    return Qwen25VLVision(Qwen3VisionEncoder(cfg, read_visual(path, cfg)), folder_processor(path, cfg),
+                          image_token(path, hf, tokenizer))
