@@ -117,3 +117,16 @@ def test_the_auto_path_takes_images_too(folder, llm):
     assert ((packed - exact).norm() / exact.norm()).item() < 0.02
     out = auto.chat(conversation(photo()), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_the_same_image_in_a_new_conversation_hits_the_prefix_cache(folder, llm):
+    """Its blocks come from the cache (DeepStack's features are in the cached K/V), with a cold run's tokens."""
+    from wallbreaker import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    cached = float32_llm(folder, 512, kv_block_size=8)
+    cached.chat(conversation(photo()), params)
+    again = cached.chat(conversation(photo(), "What is in this picture?"), params)[0]
+    image = cached.encode_chat_images(conversation(photo()))[2][0]
+    assert again.metrics["num_cached_prompt_tokens"] >= image.end // 8 * 8
+    cold = llm.chat(conversation(photo(), "What is in this picture?"), params)[0]
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
