@@ -4,15 +4,14 @@ logits of every position (teacher-forced, the image's tokens attending to each o
 greedy tokens; and chunked prefill and the prefix cache leaving them unchanged."""
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
+from vision_models import (assert_greedy_matches, conversation, data_url, float32_llm, photo, processor_inputs,
+                           reference_logits)
 from wallbreaker import LLM, SamplingParams
 
-Image = pytest.importorskip("PIL.Image")
-skdata = pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
+pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
 
 
 @pytest.fixture(scope="module")
@@ -29,34 +28,18 @@ def reference(folder):
 
 @pytest.fixture(scope="module")
 def llm(folder):
-    return LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=256)
-
-
-def photo(name: str = "astronaut"):
-    return Image.fromarray(getattr(skdata, name)())
-
-
-def png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return buf.getvalue()
-
-
-def conversation(image_part: dict, text: str = "Describe the image.") -> list[dict]:
-    return [{"role": "user", "content": [image_part, {"type": "text", "text": text}]}]
+    return float32_llm(folder, 256)
 
 
 def hf_inputs(processor, image, text: str = "Describe the image.") -> dict:
-    messages = conversation({"type": "image", "image": image}, text)
-    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                         return_tensors="pt")
+    return processor_inputs(processor, conversation(image, text))
 
 
 def test_prompt_tokens_and_pixels_are_the_processors(llm, reference):
     _, processor = reference
     image = photo()
     expected = hf_inputs(processor, image)
-    _, ids, images = llm.encode_chat_images(conversation({"type": "image", "image": image}))
+    _, ids, images = llm.encode_chat_images(conversation(image))
     assert ids == expected["input_ids"][0].tolist()
     assert len(images) == 1 and torch.equal(images[0].pixels, expected["pixel_values"][0])
     soft = [i for i, t in enumerate(expected["token_type_ids"][0].tolist()) if t == 1]
@@ -78,9 +61,8 @@ def test_teacher_forced_logits_match_transformers(llm, reference, name):
     model, processor = reference
     image = photo(name)
     inputs = hf_inputs(processor, image)
-    with torch.no_grad():
-        expected = model(**inputs).logits[0]
-    _, ids, images = llm.encode_chat_images(conversation({"type": "image", "image": image}))
+    expected = reference_logits(model, inputs)
+    _, ids, images = llm.encode_chat_images(conversation(image))
     got = llm.logits(ids, images=images)
     assert (got - expected).abs().max().item() < 1e-4
     # the bidirectional block matters: a causal-only decoder gives other logits at the image's tokens
@@ -90,30 +72,26 @@ def test_teacher_forced_logits_match_transformers(llm, reference, name):
 
 
 def test_greedy_tokens_match_transformers_generate(llm, reference):
+    """16 greedy tokens and the first step's top-5 log-probabilities, the image sent as a data URL."""
     model, processor = reference
     image = photo()
-    inputs = hf_inputs(processor, image)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
-    data_url = "data:image/png;base64," + __import__("base64").b64encode(png(image)).decode()
-    got = llm.chat(conversation({"type": "image_url", "image_url": {"url": data_url}}),
-                   SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
-    assert got.outputs[0].token_ids == expected[:len(got.outputs[0].token_ids)] and len(expected) == 12
+    assert_greedy_matches(llm, model, hf_inputs(processor, image),
+                          conversation({"type": "image_url", "image_url": {"url": data_url(image)}}))
+    got = llm.chat(conversation(image), SamplingParams(temperature=0.0, max_tokens=1))[0]
     assert got.metrics["num_images"] == 1 and got.metrics["image_encode_s"] >= 0.0
 
 
 def test_an_image_changes_the_output(llm):  # the tests above can fail: the image is read
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
-    a = llm.chat(conversation({"type": "image", "image": photo("astronaut")}), params)[0].outputs[0]
-    b = llm.chat(conversation({"type": "image", "image": photo("coffee")}), params)[0].outputs[0]
+    a = llm.chat(conversation(photo("astronaut")), params)[0].outputs[0]
+    b = llm.chat(conversation(photo("coffee")), params)[0].outputs[0]
     assert a.top_logprobs[0] != b.top_logprobs[0]
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 13, 40])
 def test_chunked_prefill_gives_the_same_logits(llm, chunk):
     image = photo("rocket")
-    _, ids, images = llm.encode_chat_images(conversation({"type": "image", "image": image}))
+    _, ids, images = llm.encode_chat_images(conversation(image))
     whole = llm.logits(ids, images=images)
     chunked = llm.logits(ids, chunk_size=chunk, images=images)
     assert torch.equal(whole, chunked) or (whole - chunked).abs().max().item() < 1e-5
@@ -143,7 +121,7 @@ def test_the_auto_path_takes_images_too(folder, llm):
     encoder's projections run on our kernels within 2% of the float32 encoder's output."""
     auto = LLM(folder, kv_cache_memory_gb=0.05, max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    conv = conversation({"type": "image", "image": photo("astronaut")})
+    conv = conversation(photo("astronaut"))
     a, b = auto.chat(conv, params)[0].outputs[0], llm.chat(conv, params)[0].outputs[0]
     assert len(a.token_ids) == 4 and a.token_ids[0] == b.token_ids[0]
     # the encoder's projections on our kernels (Q8_0 blocks packed at load), near the float32 encoder

@@ -9,24 +9,21 @@ import shutil
 import pytest
 import torch
 
-from wallbreaker import LLM, SamplingParams
+from vision_models import (assert_greedy_matches, assert_logits_match, assert_same_answers, conversation,
+                           convert_pair, float32_llm, photo, processor_inputs)
 from wallbreaker.errors import InvalidRequestError, ModelFormatError
 
-Image = pytest.importorskip("PIL.Image")
-skdata = pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
+pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
 pytest.importorskip("tiny_recurrent")
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, llamacpp_converter, packaged_model):
-    from llamacpp_converter import convert
     from tiny_vision import make_tiny_gemma3_vision
     packaged_model("smollm2")  # its tokenizer is one the converter recognizes
     root = tmp_path_factory.mktemp("tiny_gemma3_vision_gguf")
     folder = make_tiny_gemma3_vision(root / "hf", convertible=True)
-    (root / "gguf").mkdir()
-    text = convert(llamacpp_converter, folder, "f32", root / "gguf" / "model-f32.gguf")
-    mmproj = convert(llamacpp_converter, folder, "f32", root / "gguf" / "mmproj-model-f32.gguf", ("--mmproj",))
+    text, mmproj = convert_pair(llamacpp_converter, folder, root / "gguf")
     return folder, text, mmproj
 
 
@@ -43,58 +40,37 @@ def reference(files):
 @pytest.fixture(scope="module")
 def llm(files):
     _, text, mmproj = files
-    return LLM(text, mmproj=str(mmproj), dtype="float32", kv_cache_memory_gb=0.05, max_model_len=256)
-
-
-def messages(image) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image},
-                                         {"type": "text", "text": "Describe the image."}]}]
-
-
-def hf_inputs(processor, image):
-    return processor.apply_chat_template(messages(image), add_generation_prompt=True, tokenize=True,
-                                         return_dict=True, return_tensors="pt")
+    return float32_llm(text, 256, mmproj=str(mmproj))
 
 
 def test_gguf_pair_logits_and_greedy_tokens_match_transformers(llm, reference):
     model, processor = reference
-    image = Image.fromarray(skdata.astronaut())
-    inputs = hf_inputs(processor, image)
-    _, ids, images = llm.encode_chat_images(messages(image))
+    messages = conversation(photo())
+    inputs = processor_inputs(processor, messages)
+    _, ids, images = llm.encode_chat_images(messages)
     assert ids == inputs["input_ids"][0].tolist()
     assert torch.equal(images[0].pixels, inputs["pixel_values"][0])
-    with torch.no_grad():
-        expected = model(**inputs).logits[0]
-        generated = model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
-    assert (llm.logits(ids, images=images) - expected).abs().max().item() < 1e-4
-    out = llm.chat(messages(image), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
-    assert out.outputs[0].token_ids == generated
+    assert_logits_match(llm, model, inputs, images)
+    assert_greedy_matches(llm, model, inputs, messages)
 
 
-def test_gguf_pair_answers_as_the_folder_does(files, llm):
-    folder_llm = LLM(files[0], dtype="float32", kv_cache_memory_gb=0.05, max_model_len=256)
-    image = Image.fromarray(skdata.coffee())
-    a = llm.chat(messages(image), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5))[0]
-    b = folder_llm.chat(messages(image), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5))[0]
-    assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    for ra, rb in zip(a.outputs[0].top_logprobs, b.outputs[0].top_logprobs):  # the F16 projection: within 1e-3
-        assert [t for t, _ in ra] == [t for t, _ in rb]
-        assert max(abs(x - y) for (_, x), (_, y) in zip(ra, rb)) < 1e-3
+def test_gguf_pair_answers_as_the_folder_does(files, llm):  # the F16 projection: within 1e-3
+    assert_same_answers(llm, float32_llm(files[0], 256), conversation(photo("coffee")))
 
 
 def test_an_mmproj_beside_the_text_gguf_is_found(files, tmp_path):
     _, text, mmproj = files
     shutil.copy(text, tmp_path / "model.gguf")
-    assert LLM(tmp_path / "model.gguf", dtype="float32", kv_cache_memory_gb=0.02).takes_images is False
+    assert float32_llm(tmp_path / "model.gguf", 256, kv_cache_memory_gb=0.02).takes_images is False
     shutil.copy(mmproj, tmp_path / "mmproj-model.gguf")
-    assert LLM(tmp_path / "model.gguf", dtype="float32", kv_cache_memory_gb=0.02).takes_images is True
+    assert float32_llm(tmp_path / "model.gguf", 256, kv_cache_memory_gb=0.02).takes_images is True
 
 
 def test_wrong_mmproj_files_are_refused(files, tiny_gemma3):
     folder, text, mmproj = files
     with pytest.raises(ModelFormatError, match="not a vision mmproj"):
-        LLM(text, mmproj=str(text), dtype="float32", kv_cache_memory_gb=0.02)
+        float32_llm(text, 256, mmproj=str(text), kv_cache_memory_gb=0.02)
     with pytest.raises(InvalidRequestError, match="mmproj goes with a GGUF"):
-        LLM(folder, mmproj=str(mmproj), dtype="float32", kv_cache_memory_gb=0.02)
+        float32_llm(folder, 256, mmproj=str(mmproj), kv_cache_memory_gb=0.02)
     with pytest.raises((InvalidRequestError, ModelFormatError), match="not this model's|has no <start_of_image>"):
-        LLM(tiny_gemma3.gguf_path, mmproj=str(mmproj), dtype="float32", kv_cache_memory_gb=0.02)
+        float32_llm(tiny_gemma3.gguf_path, 256, mmproj=str(mmproj), kv_cache_memory_gb=0.02)

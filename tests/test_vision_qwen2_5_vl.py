@@ -10,10 +10,11 @@ import dataclasses
 import pytest
 import torch
 
+from vision_models import (assert_greedy_matches, conversation, data_url, float32_llm, photo, qwen2_vl_inputs,
+                           reference_logits)
 from wallbreaker import LLM, SamplingParams
 
-Image = pytest.importorskip("PIL.Image")
-skdata = pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
+pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
 pytest.importorskip("tiny_recurrent")
 
 
@@ -36,37 +37,11 @@ def reference(folder):
 
 @pytest.fixture(scope="module")
 def llm(folder):
-    return LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=512)
-
-
-def photo(name: str = "astronaut"):
-    return Image.fromarray(getattr(skdata, name)())
-
-
-def conversation(image, text: str = "Describe the image.") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+    return float32_llm(folder, 512)
 
 
 def hf_inputs(reference, messages) -> dict:
-    """What `Qwen2_5_VLProcessor.apply_chat_template` gives: the template's text, each <|image_pad|>
-    repeated once per merged block of its image, tokenized; the reference image processor's patches."""
-    model, tokenizer, processor = reference
-    images = [p["image"] for m in messages for p in m["content"] if p["type"] == "image"]
-    pixels = processor(images=images, return_tensors="pt")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    pieces = text.split("<|image_pad|>")
-    counts = (pixels["image_grid_thw"].prod(-1) // 4).tolist()
-    text = pieces[0] + "".join("<|image_pad|>" * n + piece for n, piece in zip(counts, pieces[1:]))
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    types = (ids == model.config.image_token_id).int()
-    return {"input_ids": ids, "pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"],
-            "mm_token_type_ids": types}
-
-
-def logits_of(model, inputs) -> torch.Tensor:
-    model.model.rope_deltas = None
-    with torch.no_grad():
-        return model(**inputs).logits[0]
+    return qwen2_vl_inputs(*reference, messages)
 
 
 def test_prompt_and_encoder_match_transformers(llm, reference):
@@ -87,7 +62,7 @@ def test_prompt_and_encoder_match_transformers(llm, reference):
 def test_teacher_forced_logits_match_transformers(llm, reference, name):
     model = reference[0]
     messages = conversation(photo(name))
-    expected = logits_of(model, hf_inputs(reference, messages))
+    expected = reference_logits(model, hf_inputs(reference, messages))
     _, ids, images = llm.encode_chat_images(messages)
     got = llm.logits(ids, images=images)
     assert (got - expected).abs().max().item() < 1e-4
@@ -97,15 +72,9 @@ def test_teacher_forced_logits_match_transformers(llm, reference, name):
 
 
 def test_greedy_tokens_match_transformers_generate(llm, reference):
-    model = reference[0]
+    """16 greedy tokens and the first step's top-5 log-probabilities."""
     messages = conversation(photo())
-    inputs = hf_inputs(reference, messages)
-    model.model.rope_deltas = None
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
-    got = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
-    assert len(expected) == 12 and got.outputs[0].token_ids == expected
+    assert_greedy_matches(llm, reference[0], hf_inputs(reference, messages), messages)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 40])
@@ -122,9 +91,9 @@ def test_two_images_in_two_turns_match_transformers(llm, reference):
                                      {"type": "text", "text": "What is this?"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
         {"role": "user", "content": [{"type": "text", "text": "And this one?"},
-                                     {"type": "image", "image": Image.fromarray(skdata.camera())}]}]
+                                     {"type": "image", "image": photo("camera")}]}]
     inputs = hf_inputs(reference, messages)
-    expected = logits_of(model, inputs)
+    expected = reference_logits(model, inputs)
     _, ids, images = llm.encode_chat_images(messages)
     assert ids == inputs["input_ids"][0].tolist() and len(images) == 2
     assert (llm.logits(ids, images=images) - expected).abs().max().item() < 1e-4
@@ -141,7 +110,7 @@ def test_the_auto_path_and_the_prefix_cache_take_images_too(folder, llm):
     exact, packed = llm.vision(pixels), auto.vision(pixels)
     assert ((packed - exact).norm() / exact.norm()).item() < 0.02
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    cached = LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=512, kv_block_size=8)
+    cached = float32_llm(folder, 512, kv_block_size=8)
     cached.chat(conversation(photo()), params)
     again = cached.chat(conversation(photo(), "What is in this picture?"), params)[0]
     image = cached.encode_chat_images(conversation(photo()))[2][0]
@@ -152,14 +121,10 @@ def test_the_auto_path_and_the_prefix_cache_take_images_too(folder, llm):
 
 def test_openai_client_gets_llm_chats_text(folder, llm):
     openai = pytest.importorskip("openai")
-    import base64
-    import io
     from server_apps import make_app, running_server
     from server_process import free_port
 
-    buf = io.BytesIO()
-    photo("coffee").save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = data_url(photo("coffee"))
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                              {"type": "text", "text": "Describe the image."}]}]
     expected = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0].text

@@ -1,6 +1,7 @@
-"""Qwen2.5-VL's (Qwen2-VL's) image preprocessing against transformers' `Qwen2VLImageProcessor` (PIL
-backend, which `Qwen2_5_VLProcessor` uses without torchvision) on real photographs and odd shapes,
-from the bytes a client sends: the same patches, bit for bit, and the same grid."""
+"""Qwen2.5-VL's (Qwen2-VL's) and Qwen3-VL's image preprocessing against transformers'
+`Qwen2VLImageProcessor` (PIL backend, which `Qwen2_5_VLProcessor` and `Qwen3VLProcessor` use without
+torchvision) on real photographs and odd shapes, from the bytes a client sends: the same patches, bit
+for bit, and the same grid. Qwen3-VL's is the same processor at 16-pixel patches, mean and std 0.5."""
 from __future__ import annotations
 
 import io
@@ -18,15 +19,19 @@ skdata = pytest.importorskip("skimage.data", reason="pip install scikit-image (a
 
 # (min_pixels, max_pixels): Qwen2.5-VL's released preprocessor_config, transformers' default, a small one
 BOUNDS = [(3136, 12845056), (56 * 56, 28 * 28 * 1280), (3136, 28 * 28 * 16)]
+# Qwen3-VL's: its released preprocessor_config's bounds, tests/tiny_qwen3_vl.py's
+QWEN3_VL = dict(patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
+QWEN3_BOUNDS = [(65536, 16777216), (32 * 32 * 4, 32 * 32 * 36)]
 
 
-def _check(data: bytes, min_pixels: int, max_pixels: int) -> None:
+def _check(data: bytes, min_pixels: int, max_pixels: int, **family) -> None:
     from PIL import ImageOps
     from transformers import Qwen2VLImageProcessorPil
 
-    reference = Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
+    reference = Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+                                         **{k: list(v) if isinstance(v, tuple) else v for k, v in family.items()})
     expected = reference(images=ImageOps.exif_transpose(Image.open(io.BytesIO(data))), return_tensors="pt")
-    patches, grid = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels)(load_image(data))
+    patches, grid = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, **family)(load_image(data))
     assert [1, *grid] == expected["image_grid_thw"][0].tolist()
     assert patches.shape == expected["pixel_values"].shape and patches.dtype == torch.float32
     assert (patches - expected["pixel_values"]).abs().max().item() <= 1e-6
@@ -43,6 +48,18 @@ def test_real_photographs_match_transformers(name):
 @pytest.mark.parametrize("kind", list(ODD))
 def test_odd_shapes_and_modes_match_transformers(kind):
     _check(_encode(ODD[kind](), "PNG"), *BOUNDS[0])
+
+
+@pytest.mark.parametrize("name", PHOTOS[:8])
+def test_qwen3_vl_photographs_match_transformers(name):
+    data = _encode(Image.fromarray(getattr(skdata, name)()), "PNG")
+    for bounds in QWEN3_BOUNDS:
+        _check(data, *bounds, **QWEN3_VL)
+
+
+@pytest.mark.parametrize("kind", list(ODD))
+def test_qwen3_vl_odd_shapes_and_modes_match_transformers(kind):
+    _check(_encode(ODD[kind](), "PNG"), *QWEN3_BOUNDS[0], **QWEN3_VL)
 
 
 def test_exif_rotated_jpeg_and_transparent_palette_match_transformers():

@@ -5,17 +5,16 @@ output (SigLIP over each tile, pixel shuffle, projection), the logits of every p
 tokens, two images, chunked prefill, the prefix cache, and the OpenAI API."""
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
 
 import pytest
 import torch
 
+from vision_models import (assert_greedy_matches, conversation, data_url, float32_llm, max_diff, photo,
+                           processor_inputs, reference_logits)
 from wallbreaker import LLM, SamplingParams
 
-Image = pytest.importorskip("PIL.Image")
-skdata = pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
+pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
 
 
 @pytest.fixture(scope="module")
@@ -32,31 +31,15 @@ def reference(folder):
 
 @pytest.fixture(scope="module")
 def llm(folder):
-    return LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=1024)
+    return float32_llm(folder, 1024)
 
 
-def photo(name: str = "astronaut"):
-    return Image.fromarray(getattr(skdata, name)())
-
-
-def data_url(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def conversation(image_part: dict, text: str = "Describe the image.") -> list[dict]:
-    return [{"role": "user", "content": [image_part, {"type": "text", "text": text}]}]
-
-
-def hf_inputs(processor, messages) -> dict:
-    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                         return_tensors="pt")
+hf_inputs = processor_inputs
 
 
 def test_prompt_tokens_and_tiles_are_the_processors(llm, reference):
     _, processor = reference
-    messages = conversation({"type": "image", "image": photo()})
+    messages = conversation(photo())
     expected = hf_inputs(processor, messages)
     _, ids, images = llm.encode_chat_images(messages)
     assert ids == expected["input_ids"][0].tolist()
@@ -71,7 +54,7 @@ def test_prompt_tokens_and_tiles_are_the_processors(llm, reference):
 
 def test_encoder_and_connector_match_transformers(llm, reference):
     model, processor = reference
-    inputs = hf_inputs(processor, conversation({"type": "image", "image": photo("chelsea")}))
+    inputs = hf_inputs(processor, conversation(photo("chelsea")))
     with torch.no_grad():
         expected = model.model.get_image_features(inputs["pixel_values"],
                                                   inputs["pixel_attention_mask"]).pooler_output[0]
@@ -83,41 +66,36 @@ def test_encoder_and_connector_match_transformers(llm, reference):
 @pytest.mark.parametrize("name", ["astronaut", "coffee"])
 def test_teacher_forced_logits_match_transformers(llm, reference, name):
     model, processor = reference
-    messages = conversation({"type": "image", "image": photo(name)})
+    messages = conversation(photo(name))
     inputs = hf_inputs(processor, messages)
-    with torch.no_grad():
-        expected = model(**inputs).logits[0]
+    expected = reference_logits(model, inputs)
     _, ids, images = llm.encode_chat_images(messages)
-    got = llm.logits(ids, images=images)
-    assert (got - expected).abs().max().item() < 1e-4
+    assert max_diff(llm.logits(ids, images=images), expected) < 1e-4
     # the mask matters: image tokens attending to each other both ways (Gemma 3's rule) give other logits
     both_ways = [dataclasses.replace(im, bidirectional=True) for im in images]
     assert (llm.logits(ids, images=both_ways) - expected).abs().max().item() > 1e-3
 
 
 def test_greedy_tokens_match_transformers_generate(llm, reference):
+    """16 greedy tokens and the first step's top-5 log-probabilities, the image sent as a data URL."""
     model, processor = reference
     image = photo()
-    inputs = hf_inputs(processor, conversation({"type": "image", "image": image}))
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
-    got = llm.chat(conversation({"type": "image_url", "image_url": {"url": data_url(image)}}),
-                   SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
-    assert len(expected) == 12 and got.outputs[0].token_ids == expected
+    assert_greedy_matches(llm, model, hf_inputs(processor, conversation(image)),
+                          conversation({"type": "image_url", "image_url": {"url": data_url(image)}}))
+    got = llm.chat(conversation(image), SamplingParams(temperature=0.0, max_tokens=1))[0]
     assert got.metrics["num_images"] == 1 and got.metrics["image_encode_s"] >= 0.0
 
 
 def test_an_image_changes_the_output(llm):  # the tests above can fail: the image is read
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
-    a = llm.chat(conversation({"type": "image", "image": photo("astronaut")}), params)[0].outputs[0]
-    b = llm.chat(conversation({"type": "image", "image": photo("coffee")}), params)[0].outputs[0]
+    a = llm.chat(conversation(photo("astronaut")), params)[0].outputs[0]
+    b = llm.chat(conversation(photo("coffee")), params)[0].outputs[0]
     assert a.top_logprobs[0] != b.top_logprobs[0]
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 13, 40])
 def test_chunked_prefill_gives_the_same_logits(llm, chunk):
-    _, ids, images = llm.encode_chat_images(conversation({"type": "image", "image": photo("rocket")}))
+    _, ids, images = llm.encode_chat_images(conversation(photo("rocket")))
     whole = llm.logits(ids, images=images)
     chunked = llm.logits(ids, chunk_size=chunk, images=images)
     assert torch.equal(whole, chunked) or (whole - chunked).abs().max().item() < 1e-5
@@ -125,7 +103,7 @@ def test_chunked_prefill_gives_the_same_logits(llm, chunk):
 
 def test_two_images_in_two_turns_match_transformers(llm, reference):
     model, processor = reference
-    a, b = photo("astronaut"), Image.fromarray(skdata.camera())  # a grey one, of another shape: other tiles
+    a, b = photo("astronaut"), photo("camera")  # a grey one, of another shape: other tiles
     messages = [
         {"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "What is this?"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A picture."}]},
@@ -144,26 +122,26 @@ def test_two_images_in_two_turns_match_transformers(llm, reference):
 
 
 def test_the_same_image_hits_the_prefix_and_encoder_caches(folder):
-    llm = LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=1024, kv_block_size=8)
+    llm = float32_llm(folder, 1024, kv_block_size=8)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
-    first = llm.chat(conversation({"type": "image", "image": photo()}), params)[0]
+    first = llm.chat(conversation(photo()), params)[0]
     encoded = llm.engine.runner.encoder_stats["images_encoded"]
     assert first.metrics["num_cached_prompt_tokens"] == 0 and encoded == 10
-    again = llm.chat(conversation({"type": "image", "image": photo()}, "What is in this picture?"), params)[0]
-    last = llm.encode_chat_images(conversation({"type": "image", "image": photo()}))[2][-1]
+    again = llm.chat(conversation(photo(), "What is in this picture?"), params)[0]
+    last = llm.encode_chat_images(conversation(photo()))[2][-1]
     assert again.metrics["num_cached_prompt_tokens"] >= last.end // 8 * 8
     assert llm.engine.runner.encoder_stats["images_encoded"] == encoded  # every tile from the caches
-    cold = LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=1024, kv_block_size=8)
-    expected = cold.chat(conversation({"type": "image", "image": photo()}, "What is in this picture?"), params)[0]
+    cold = float32_llm(folder, 1024, kv_block_size=8)
+    expected = cold.chat(conversation(photo(), "What is in this picture?"), params)[0]
     assert again.outputs[0].token_ids == expected.outputs[0].token_ids
-    other = llm.chat(conversation({"type": "image", "image": photo("coffee")}), params)[0]
+    other = llm.chat(conversation(photo("coffee")), params)[0]
     assert other.metrics["num_cached_prompt_tokens"] <= last.offset and other.outputs[0].top_logprobs != \
         first.outputs[0].top_logprobs
 
 
 def test_the_auto_path_takes_images_too(folder, llm):
     auto = LLM(folder, kv_cache_memory_gb=0.05, max_model_len=1024)
-    conv = conversation({"type": "image", "image": photo("astronaut")})
+    conv = conversation(photo("astronaut"))
     out = auto.chat(conv, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 4
     from wallbreaker.layers.linear import QuantLinear
@@ -196,8 +174,8 @@ def test_a_smolvlm2_folder_matches_its_transformers_class(tmp_path):
 
     folder = make_tiny_smolvlm(tmp_path / "smolvlm2", seed=1, family="SmolVLM")
     model = SmolVLMForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    llm = LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=1024)
-    _, ids, images = llm.encode_chat_images(conversation({"type": "image", "image": photo("coffee")}))
+    llm = float32_llm(folder, 1024)
+    _, ids, images = llm.encode_chat_images(conversation(photo("coffee")))
     pixels = torch.stack([im.pixels for im in images])[None]
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
@@ -206,14 +184,14 @@ def test_a_smolvlm2_folder_matches_its_transformers_class(tmp_path):
 
 def test_the_encoder_cache_keeps_to_its_byte_budget(folder):
     # without the prefix cache, so that the second request needs every tile's vectors again
-    llm = LLM(folder, dtype="float32", kv_cache_memory_gb=0.05, max_model_len=1024, enable_prefix_caching=False)
+    llm = float32_llm(folder, 1024, enable_prefix_caching=False)
     runner = llm.engine.runner
     tile_bytes = 16 * 64 * 4  # a tile's 16 vectors of the decoder's 64 floats
     runner.encoder_cache_bytes = 3 * tile_bytes
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    first = llm.chat(conversation({"type": "image", "image": photo()}), params)[0]
+    first = llm.chat(conversation(photo()), params)[0]
     assert len(runner.encoder_cache) == 3 and sum(t.nbytes for t in runner.encoder_cache.values()) <= 3 * tile_bytes
-    again = llm.chat(conversation({"type": "image", "image": photo()}), params)[0]
+    again = llm.chat(conversation(photo()), params)[0]
     # ten tiles in order through a cache of three: each was evicted before it was needed again
     assert runner.encoder_stats["images_encoded"] == 20 and len(runner.encoder_cache) == 3
     assert again.outputs[0].token_ids == first.outputs[0].token_ids

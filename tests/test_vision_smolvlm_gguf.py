@@ -9,21 +9,19 @@ import shutil
 import pytest
 import torch
 
-from wallbreaker import LLM, SamplingParams
+from vision_models import (assert_greedy_matches, assert_logits_match, assert_same_answers, conversation,
+                           convert_pair, float32_llm, photo, processor_inputs)
 from wallbreaker.errors import InvalidRequestError
 
-Image = pytest.importorskip("PIL.Image")
-skdata = pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
+pytest.importorskip("skimage.data", reason="pip install scikit-image (a test extra)")
 pytest.importorskip("tiny_recurrent")
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, llamacpp_converter, packaged_model, tiny_smolvlm):
-    from llamacpp_converter import convert
     packaged_model("smollm2")  # its tokenizer is the one SmolVLM's extends
     root = tmp_path_factory.mktemp("tiny_smolvlm_gguf")
-    text = convert(llamacpp_converter, tiny_smolvlm, "f32", root / "model-f32.gguf")
-    mmproj = convert(llamacpp_converter, tiny_smolvlm, "f32", root / "mmproj-model-f32.gguf", ("--mmproj",))
+    text, mmproj = convert_pair(llamacpp_converter, tiny_smolvlm, root)
     return tiny_smolvlm, text, mmproj
 
 
@@ -37,51 +35,34 @@ def reference(files):
 @pytest.fixture(scope="module")
 def llm(files):
     _, text, mmproj = files
-    return LLM(text, mmproj=str(mmproj), dtype="float32", kv_cache_memory_gb=0.05, max_model_len=1024)
-
-
-def messages(image) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image},
-                                         {"type": "text", "text": "Describe the image."}]}]
+    return float32_llm(text, 1024, mmproj=str(mmproj))
 
 
 @pytest.mark.parametrize("name", ["astronaut", "camera"])
 def test_gguf_pair_logits_and_greedy_tokens_match_transformers(llm, reference, name):
     model, processor = reference
-    image = Image.fromarray(getattr(skdata, name)())
-    inputs = processor.apply_chat_template(messages(image), add_generation_prompt=True, tokenize=True,
-                                           return_dict=True, return_tensors="pt")
-    _, ids, images = llm.encode_chat_images(messages(image))
+    messages = conversation(photo(name))
+    inputs = processor_inputs(processor, messages)
+    _, ids, images = llm.encode_chat_images(messages)
     assert ids == inputs["input_ids"][0].tolist()
     assert len(images) == inputs["pixel_values"].shape[1]
     assert all(torch.equal(im.pixels, px) for im, px in zip(images, inputs["pixel_values"][0]))
-    with torch.no_grad():
-        expected = model(**inputs).logits[0]
-        generated = model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
-    assert (llm.logits(ids, images=images) - expected).abs().max().item() < 1e-4
-    out = llm.chat(messages(image), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
-    assert len(generated) == 12 and out.outputs[0].token_ids == generated
+    assert_logits_match(llm, model, inputs, images)
+    assert_greedy_matches(llm, model, inputs, messages)
 
 
 def test_gguf_pair_answers_as_the_folder_does(files, llm):
-    folder_llm = LLM(files[0], dtype="float32", kv_cache_memory_gb=0.05, max_model_len=1024)
-    image = Image.fromarray(skdata.coffee())
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
-    a, b = llm.chat(messages(image), params)[0], folder_llm.chat(messages(image), params)[0]
-    assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    for ra, rb in zip(a.outputs[0].top_logprobs, b.outputs[0].top_logprobs):
-        assert [t for t, _ in ra] == [t for t, _ in rb]
-        assert max(abs(x - y) for (_, x), (_, y) in zip(ra, rb)) < 1e-3
+    assert_same_answers(llm, float32_llm(files[0], 1024), conversation(photo("coffee")))
 
 
 def test_an_mmproj_beside_the_text_gguf_is_found(files, tmp_path):
     _, text, mmproj = files
     shutil.copy(text, tmp_path / "model.gguf")
     shutil.copy(mmproj, tmp_path / "mmproj-model.gguf")
-    assert LLM(tmp_path / "model.gguf", dtype="float32", kv_cache_memory_gb=0.02).takes_images is True
+    assert float32_llm(tmp_path / "model.gguf", 1024, kv_cache_memory_gb=0.02).takes_images is True
 
 
 def test_an_mmproj_of_another_family_is_refused(files, tiny_gemma3):
     _, text, mmproj = files
     with pytest.raises(InvalidRequestError, match="idefics3 projector goes with llama text models, not gemma3"):
-        LLM(tiny_gemma3.gguf_path, mmproj=str(mmproj), dtype="float32", kv_cache_memory_gb=0.02)
+        float32_llm(tiny_gemma3.gguf_path, 1024, mmproj=str(mmproj), kv_cache_memory_gb=0.02)

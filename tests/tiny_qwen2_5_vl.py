@@ -31,7 +31,25 @@ QWEN2_5_VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
+def randomize(model, is_norm_scale) -> None:
+    """Weights large enough for peaked logits, the norms' scales (`is_norm_scale(name)`) off their
+    neutral 1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_norm_scale(name):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "visual" in name:
+                p.normal_(0.0, 0.1 if p.dim() == 1 else 0.15)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+
+
+def make_tiny_qwen2_5_vl(out: Path, seed: int = 0, window_size: int = 56, min_pixels: int = 56 * 56,
+                         max_pixels: int = MAX_PIXELS) -> Path:
+    """`window_size` and the pixel bounds as llama.cpp's clip.cpp takes them (112, 8 and 4096 merged
+    blocks) make a folder whose GGUF pair preprocesses and encodes as the folder does."""
     import transformers as tf
     from tiny_recurrent import smollm2_tokenizer
     from tokenizers import AddedToken
@@ -47,26 +65,18 @@ def make_tiny_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
-    config = tf.Qwen2_5_VLConfig(text_config=text, vision_config={**VISION, "out_hidden_size": 64},
+    vision = {**VISION, "window_size": window_size, "out_hidden_size": 64}
+    config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision,
                                  image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                                  vision_start_token_id=ids["<|vision_start|>"],
                                  vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = tf.Qwen2_5_VLForConditionalGeneration(config).float().eval()
-    with torch.no_grad():  # weights large enough for peaked logits, norms off their neutral values
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "visual" in name:
-                p.normal_(0.0, 0.1 if p.dim() == 1 else 0.15)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, 0.08)
+    randomize(model, lambda name: "norm" in name or "ln_q" in name)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": MAX_PIXELS,
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": min_pixels, "max_pixels": max_pixels,
         "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
         "resample": 3, "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True,
         "do_convert_rgb": True}, indent=2))

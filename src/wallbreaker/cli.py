@@ -25,7 +25,8 @@ def command(name: str):
 # What a flag does, where its field's name and default do not say it all.
 HELP = {
     "model": "a .gguf file, a Hugging Face folder, or a packaged model name (default: smollm2)",
-    "mmproj": "llama.cpp's vision projector GGUF for a GGUF text model (Gemma 3), as llama-server's --mmproj "
+    "mmproj": "llama.cpp's vision projector GGUF for a GGUF text model (Gemma 3, SmolVLM, Qwen2.5-VL, "
+              "Qwen3-VL), as llama-server's --mmproj "
               "(default: an mmproj*.gguf beside the model, if there is exactly one)",
     "dtype": "float32: the exact reference path; auto: packed weights through our kernels (a pooling model: "
              "its checkpoint's precision); packed: our kernels for every model, float weights Q8_0 at load",

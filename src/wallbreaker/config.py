@@ -162,6 +162,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     mrope_section: tuple[int, ...] = ()  # Qwen2.5-VL's multimodal RoPE (layers/rotary.py); (): plain
+    mrope_interleaved: bool = False  # Qwen3-VL's: the sections dealt out pair by pair
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False

@@ -91,6 +91,9 @@ def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
         from .vision.qwen2_5_vl import Qwen25VLVision, is_qwen2_5_vl_config
         if is_qwen2_5_vl_config(hf):
             return Qwen25VLVision.from_folder(files.path, files.tokenizer)
+        from .vision.qwen3_vl import is_qwen3_vl_config, load_qwen3_vl
+        if is_qwen3_vl_config(hf):
+            return load_qwen3_vl(files.path, files.tokenizer)
         return None
     if mmproj is None:
         found = sorted(Path(files.path).parent.glob("mmproj*.gguf"))
@@ -102,6 +105,11 @@ def _vision_model(files: ModelFiles, mmproj: str | os.PathLike | None = None):
     if vision.hidden_size != files.config.hidden_size:
         raise InvalidRequestError(f"mmproj {mmproj}: its projection gives vectors of {vision.hidden_size}, the text "
                                   f"model's embeddings are {files.config.hidden_size} wide: not this model's")
+    deepstack = len(getattr(getattr(vision.tower, "cfg", None), "deepstack_visual_indexes", ()))
+    expected = files.metadata.get(f"{files.config.architecture}.n_deepstack_layers", 0) if files.metadata else 0
+    if deepstack != expected:  # Qwen3-VL: the text model adds as many DeepStack features as the mmproj gives
+        raise InvalidRequestError(f"mmproj {mmproj}: {deepstack} DeepStack mergers, the text model takes {expected}: "
+                                  f"not this model's")
     return vision
 
 

@@ -145,6 +145,12 @@ FAMILIES: tuple[ArchSpec, ...] = (
              hf_classes={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "mixtral": "MixtralForCausalLM"}, hf_write=llama.llama_hf_write),
     ArchSpec("qwen2", hf_model_types=("qwen2",), qkv_bias=True, hf_classes={"qwen2": "Qwen2ForCausalLM"}, **_QWEN),
+    # Qwen2.5-VL's and Qwen3-VL's decoders in llama.cpp's GGUF (their folders read as qwen2 and qwen3,
+    # formats/multimodal.py)
+    ArchSpec("qwen2vl", qkv_bias=True, gguf_keys=frozenset({"rope.dimension_sections"}),
+             gguf_fields=llama.qwen2vl_gguf_fields, **_QWEN),
+    ArchSpec("qwen3vl", qk_norm=True, gguf_keys=frozenset({"rope.dimension_sections", "n_deepstack_layers"}),
+             gguf_fields=llama.qwen3vl_gguf_fields, **_QWEN),
     ArchSpec("qwen3", hf_model_types=("qwen3",), qk_norm=True, hf_classes={"qwen3": "Qwen3ForCausalLM"}, **_QWEN),
     ArchSpec("qwen3moe", hf_model_types=("qwen3_moe",), qk_norm=True, hf_fields=llama.qwen3moe_hf_fields,
              hf_experts=_MLP_EXPERTS, requires_experts=True, hf_classes={"qwen3_moe": "Qwen3MoeForCausalLM"},

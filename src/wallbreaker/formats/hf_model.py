@@ -155,8 +155,9 @@ def config_from_hf(hf: dict[str, Any], path: Path) -> ModelConfig:
         extra.update(sliding_window=hf.get("sliding_window"), layer_types=layer_types(hf, layers, where, spec.sliding))
     if spec.qk_norm:
         extra["qk_norm"] = True
-    if isinstance(rope.get("mrope_section"), list):  # Qwen2.5-VL's decoder
-        extra["mrope_section"] = tuple(rope["mrope_section"])
+    if isinstance(rope.get("mrope_section"), list):  # Qwen2.5-VL's and Qwen3-VL's decoders
+        extra.update(mrope_section=tuple(rope["mrope_section"]),
+                     mrope_interleaved=rope.get("mrope_interleaved") is True)
     if spec.hf_fields is not None:
         extra.update(spec.hf_fields(hf, where))
     extra.update(arch_fields)

@@ -1,7 +1,8 @@
 """The Llama family's config keys beyond the common ones, as their entries in formats/families.py
 read and write them: Llama with Mistral (a sliding window) and Mixtral (experts), Qwen2/3 (a window
 only with `use_sliding_window`, from `max_window_layers` on), Qwen3-MoE, Phi-3 (q/k/v and gate/up
-stored fused, LongRoPE's original context at the top level of config.json)."""
+stored fused, LongRoPE's original context at the top level of config.json), Qwen2.5-VL's decoder as
+llama.cpp's converter writes it (`qwen2vl`: Qwen2 with M-RoPE sections), and Qwen3-VL's (`qwen3vl`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -29,6 +30,26 @@ def qwen3moe_hf_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
                 num_experts_per_tok=hf.get("num_experts_per_tok"),
                 expert_intermediate_size=hf.get("moe_intermediate_size"),
                 norm_topk_prob=hf.get("norm_topk_prob", False))
+
+
+def qwen2vl_gguf_fields(k: Any) -> dict[str, Any]:
+    """`qwen2vl.rope.dimension_sections`: the (temporal, row, column) M-RoPE sections, in rotated
+    pairs, padded to four by the converter (the fourth is 0 for Qwen2-VL and 2.5-VL)."""
+    sections = k.raw(k.a + "rope.dimension_sections")
+    if not (isinstance(sections, list) and len(sections) in (3, 4) and all(isinstance(n, int) for n in sections)):
+        raise unsupported(k.name, f"{k.a}rope.dimension_sections {short_repr(sections)} (expected three or four sizes)")
+    if len(sections) == 4 and sections[3]:
+        raise unsupported(k.name, f"{k.a}rope.dimension_sections {short_repr(sections)} (a fourth section)")
+    return dict(mrope_section=tuple(sections[:3]))
+
+
+def qwen3vl_gguf_fields(k: Any) -> dict[str, Any]:
+    """Qwen3-VL's decoder (`qwen3vl`): Qwen2.5-VL's sections, interleaved as llama.cpp's IMROPE is;
+    `n_deepstack_layers` is checked against the mmproj's DeepStack mergers where the two meet (llm.py)."""
+    n = k.integer(k.a + "n_deepstack_layers", 0)
+    if n < 0 or n > k.layers:
+        raise unsupported(k.name, f"{k.a}n_deepstack_layers {n} (of {k.layers} layers)")
+    return dict(qwen2vl_gguf_fields(k), mrope_interleaved=True)
 
 
 def llama_hf_model_type(c: ModelConfig) -> str:

@@ -12,7 +12,8 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
                     "model.vision_model.", "model.connector.", "model.visual.", "visual.")
 # model_type -> the decoder's model_type, for the vision-language configs whose decoder is text_config
-_DECODERS = {"gemma3": "gemma3_text", "idefics3": "llama", "smolvlm": "llama", "qwen2_5_vl": "qwen2"}
+_DECODERS = {"gemma3": "gemma3_text", "idefics3": "llama", "smolvlm": "llama", "qwen2_5_vl": "qwen2",
+             "qwen3_vl": "qwen3"}
 
 
 def text_tensor_name(hf_name: str) -> str | None:

@@ -129,23 +129,34 @@ class RotaryEmbedding(nn.Module):
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """Qwen2.5-VL's multimodal RoPE: positions [3, T] (temporal, row, column); the rotated pairs are cut
-    into `section` (summing to head_dim / 2), the first taking the temporal position's angles, the
-    second the row's, the third the column's (transformers' `recomposition_frequencies`). Plain
-    positions [T] are all three alike, which is plain RoPE."""
+    """Qwen2.5-VL's and Qwen3-VL's multimodal RoPE: positions [3, T] (temporal, row, column); each
+    rotated pair takes one of the three positions' angles. Qwen2.5-VL cuts the pairs into `section`
+    (summing to head_dim / 2): the first run temporal, the second row, the third column. Qwen3-VL
+    (`interleaved`) deals them out in turn, pair i taking row where i % 3 == 1 and i < 3 * section[1],
+    column where i % 3 == 2 and i < 3 * section[2], temporal otherwise (transformers'
+    `recomposition_frequencies` of each). Plain positions [T] are all three alike, which is plain RoPE."""
 
-    def __init__(self, head_dim: int, theta: float, section: tuple[int, ...]):
+    def __init__(self, head_dim: int, theta: float, section: tuple[int, ...], interleaved: bool = False):
         super().__init__(head_dim, theta)
         if sum(section) != head_dim // 2:
             raise ValueError(f"mrope_section {section} does not sum to head_dim / 2 = {head_dim // 2}")
         self.section = tuple(section)
-        self.key = _KEYS.setdefault((head_dim, theta, None, self.section), len(_KEYS))
+        if interleaved:
+            pair = torch.arange(head_dim // 2)
+            axis = torch.zeros(head_dim // 2, dtype=torch.long)
+            for a in (1, 2):
+                axis[(pair % 3 == a) & (pair < 3 * section[a])] = a
+        else:
+            axis = torch.cat([torch.full((n,), a, dtype=torch.long) for a, n in enumerate(section)])
+        self.axis = axis  # [head_dim/2]: which position each rotated pair takes
+        self.key = _KEYS.setdefault((head_dim, theta, None, self.section, interleaved), len(_KEYS))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
             return super().cos_sin(positions)
         freqs = positions.float()[..., None] * self.inv_freq  # [3, T, head_dim/2]
-        freqs = torch.cat([part[i % 3] for i, part in enumerate(freqs.split(self.section, dim=-1))], dim=-1)
+        axis = self.axis.to(freqs.device)
+        freqs = freqs.gather(0, axis.expand(1, freqs.shape[1], -1))[0]  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         half = emb.shape[-1] // 2
         cos, sin = emb.cos(), emb.sin()

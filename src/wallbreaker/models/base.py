@@ -79,12 +79,18 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`embeds`: (rows [R], vectors [R, hidden]) that take the place of those rows' token
-        embeddings (an image's soft tokens: its encoder's output, unscaled)."""
+        embeddings (an image's soft tokens: its encoder's output, unscaled). Vectors wider than the
+        hidden size carry Qwen3-VL's DeepStack features after the first `hidden`: the k-th is added
+        to those rows' hidden states after the k-th layer."""
         h = self.embed_tokens(input_ids)
+        deepstack = None
         if embeds is not None:
-            h[embeds[0]] = embeds[1].to(h.dtype)
+            rows, values = embeds[0], embeds[1].to(h.dtype)
+            h[rows] = values[:, :h.shape[-1]]
+            if values.shape[-1] > h.shape[-1]:
+                deepstack = values[:, h.shape[-1]:].unflatten(-1, (-1, h.shape[-1]))  # [R, k, hidden]
         # a step with LoRA rows runs the layers here: the C++ stack has no adapters
-        planned = None if self.lora_rows is not None and self.lora_rows.slots is not None \
+        planned = None if deepstack is not None or self.lora_rows is not None and self.lora_rows.slots is not None \
             else self.decoder_plan.run(h, meta)
         if planned is not None:
             return self.norm.add_and_norm(*planned)
@@ -92,8 +98,10 @@ class CausalLM(nn.Module):
             self.prompt_rows.start = meta.num_paged_tokens if meta.split_by_origin else h.shape[0]
         try:
             delta = None
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 h, delta = layer(h, meta, delta)
+                if deepstack is not None and i < deepstack.shape[1]:  # h + delta is the layer's output
+                    h = h.index_add(0, rows, deepstack[:, i])
         finally:
             if self.prompt_rows is not None:
                 self.prompt_rows.start = None

@@ -40,7 +40,7 @@ class Attention(DirectModule):
         local = sliding and cfg.rope_local_theta is not None  # Gemma 3's sliding layers: their own plain RoPE
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta if local else cfg.rope_theta,
                                     None if local else cfg.rope_scaling) if not cfg.mrope_section else \
-            MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+            MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
         self.sliding_window = cfg.sliding_window if sliding else None
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_logit_softcap

@@ -1,8 +1,10 @@
 """llama.cpp's `mmproj` GGUF (what `convert_hf_to_gguf.py --mmproj` writes beside the text GGUF, the
-file pair llama.cpp and Ollama ship) -> the vision side of a Gemma 3 or SmolVLM model: its `clip.*` keys give
-the tower's shape and the preprocessing's size, mean and std, its `v.*` and `mm.*` tensors the
-weights (dequantized to float32; the converter stores the projection as F16). The image tokens come
-from the text model's tokenizer, by their spelling."""
+file pair llama.cpp and Ollama ship) -> the vision side of a Gemma 3, SmolVLM or Qwen2.5-VL model: its
+`clip.*` keys give the tower's shape and the preprocessing's size, mean and std, its `v.*` and `mm.*`
+tensors the weights (dequantized to float32; the converter stores Gemma 3's projection as F16).
+Qwen2.5-VL's (projector type `qwen2.5vl_merger`) and Qwen3-VL's (`qwen3vl_merger`) are read by
+qwen2_5_vl_mmproj.py and qwen3_vl_mmproj.py. The image tokens
+come from the text model's tokenizer, by their spelling."""
 from __future__ import annotations
 
 import os
@@ -15,6 +17,10 @@ from .gemma3 import Gemma3Vision, ImageTokens, _check
 from .gemma3_preprocess import Gemma3ImageProcessor
 from .idefics3 import IMAGE_TOKEN, PROMPT_TOKENS, Idefics3Vision
 from .idefics3_preprocess import Idefics3ImageProcessor
+from .qwen2_5_vl import Qwen25VLVision
+from .qwen2_5_vl_mmproj import PROJECTOR, read_qwen2_5_vl
+from .qwen3_vl_mmproj import PROJECTOR as QWEN3_VL_PROJECTOR
+from .qwen3_vl_mmproj import read_qwen3_vl
 from .siglip import SiglipConfig, SiglipVisionTower
 
 _LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -37,10 +43,12 @@ def tower_name(name: str) -> str | None:
 
 
 # projector type -> the text models' GGUF architectures it goes with
-TEXT_ARCHITECTURES = {"gemma3": ("gemma3",), "idefics3": ("llama",)}
+TEXT_ARCHITECTURES = {"gemma3": ("gemma3",), "idefics3": ("llama",), "qwen2.5vl_merger": ("qwen2vl",),
+                      "qwen3vl_merger": ("qwen3vl",)}
 
 
-def read_mmproj(path: str | os.PathLike, tokenizer, architecture: str | None = None) -> "Gemma3Vision | Idefics3Vision":
+def read_mmproj(path: str | os.PathLike, tokenizer,
+                architecture: str | None = None) -> "Gemma3Vision | Idefics3Vision | Qwen25VLVision":
     """The vision side in an mmproj file, for a text model of `architecture` (checked) and `tokenizer`."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -63,6 +71,10 @@ def read_mmproj(path: str | os.PathLike, tokenizer, architecture: str | None = N
             raise ModelFormatError(f"{label}: missing key clip.vision.{name}")
         return value
 
+    if projector == PROJECTOR:
+        return read_qwen2_5_vl(gf, label, tokenizer, key)
+    if projector == QWEN3_VL_PROJECTOR:
+        return read_qwen3_vl(gf, label, tokenizer, key)
     cfg = SiglipConfig.from_hf({
         "hidden_size": key("embedding_length"), "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"), "num_attention_heads": key("attention.head_count"),

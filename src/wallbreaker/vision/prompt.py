@@ -75,6 +75,11 @@ def chat_prompt(vision: "Gemma3Vision | Idefics3Vision", template, tokenizer, me
     """(text, token ids, images) of a conversation; InvalidRequestError naming the part at fault."""
     if not isinstance(messages, list):
         raise InvalidRequestError("messages must be a list of {role, content} objects")
+    count = sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+                for p in m["content"] if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES)
+    if count > MAX_IMAGES_PER_PROMPT:  # before any is decoded
+        raise InvalidRequestError(f"more than {MAX_IMAGES_PER_PROMPT} images in one request ({count})",
+                                  param="messages")
     pil_images = []
     rendered = []
     for n, message in enumerate(messages):

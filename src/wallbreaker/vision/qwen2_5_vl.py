@@ -28,8 +28,9 @@ from ..errors import ModelFormatError, UnsupportedModelError
 from .gemma3 import _check
 from .qwen2_vl_preprocess import Qwen2VLImageProcessor
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu,
-                                                                    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 NORM_EPS = 1e-6  # transformers' Qwen2_5_VLRMSNorm in the blocks and the merger
 
 
@@ -161,27 +162,45 @@ class Qwen25VisionEncoder(nn.Module):
 _PREFIXES = ("model.visual.", "visual.")
 
 
-def load_folder(path: Path) -> tuple[Qwen25VisionEncoder, Qwen2VLImageProcessor]:
-    """The vision encoder and the image processor of a Hugging Face `Qwen2_5_VLForConditionalGeneration`
-    folder."""
+def read_visual(path: Path, cfg) -> dict[str, torch.Tensor]:
+    """A folder's encoder tensors (under `visual.`), checked against `cfg.tensor_shapes()`."""
     from safetensors import safe_open
 
-    path = Path(path)
-    hf = json.loads((path / "config.json").read_text())
-    cfg = Qwen25VisionConfig.from_hf(hf.get("vision_config") or {}, f"{path}/config.json")
     tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
+    for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
                 if prefix is not None:
                     tensors[name[len(prefix):]] = f.get_tensor(name)
     _check(str(path), "vision encoder", tensors, cfg.tensor_shapes())
+    return tensors
+
+
+def folder_processor(path: Path, cfg) -> Qwen2VLImageProcessor:
+    """A folder's image processor, checked to cut the patches the encoder `cfg` reads."""
     processor = Qwen2VLImageProcessor.from_folder(path)
     if (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != \
             (cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size):
         raise ModelFormatError(f"{path}: the image processor's patch, merge and temporal sizes are not the encoder's")
-    return Qwen25VisionEncoder(cfg, tensors), processor
+    return processor
+
+
+def image_token(path: Path, hf: dict[str, Any], tokenizer) -> int:
+    """config.json's image_token_id, checked to be the tokenizer's <|image_pad|>."""
+    image_id = hf.get("image_token_id")
+    if tokenizer.token_to_id(IMAGE_PAD) != image_id:
+        raise ModelFormatError(f"{path}/config.json: image_token_id {image_id!r} is not the tokenizer's {IMAGE_PAD}")
+    return image_id
+
+
+def load_folder(path: Path) -> tuple[Qwen25VisionEncoder, Qwen2VLImageProcessor]:
+    """The vision encoder and the image processor of a Hugging Face `Qwen2_5_VLForConditionalGeneration`
+    folder."""
+    path = Path(path)
+    hf = json.loads((path / "config.json").read_text())
+    cfg = Qwen25VisionConfig.from_hf(hf.get("vision_config") or {}, f"{path}/config.json")
+    return Qwen25VisionEncoder(cfg, read_visual(path, cfg)), folder_processor(path, cfg)
 
 
 def mrope_positions(length: int, images: list[tuple[int, int, int]], merge: int) -> tuple[torch.Tensor, int]:
@@ -254,10 +273,7 @@ class Qwen25VLVision(nn.Module):
     def from_folder(cls, path: Path, tokenizer) -> "Qwen25VLVision":
         encoder, processor = load_folder(path)
         hf = json.loads((Path(path) / "config.json").read_text())
-        image_id = hf.get("image_token_id")
-        if tokenizer.token_to_id(IMAGE_PAD) != image_id:
-            raise ModelFormatError(f"{path}/config.json: image_token_id {image_id!r} is not the tokenizer's {IMAGE_PAD}")
-        return cls(encoder, processor, image_id)
+        return cls(encoder, processor, image_token(path, hf, tokenizer))
 
 
 def window_order(rows: int, cols: int, size: int) -> tuple[torch.Tensor, list[int]]:
