@@ -9,7 +9,10 @@
 // inputs): tests/test_decoder_plan.py.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "torch_ops.h"
@@ -22,15 +25,69 @@ struct Dense {
   int64_t min_rows, tile_rows;
 };
 
-// A quantized linear layer: its segments (fused projections) and their GGML types, and a bias.
+// A step's LoRA rows (layers/lora.py): each row's adapter slot (0: none), and whether the adapters'
+// matmuls run in calls of exactly kInvariantLoraRows rows (batch-invariant mode); masks by width.
+constexpr int64_t kInvariantLoraRows = 16;  // layers/lora.py INVARIANT_LORA_ROWS
+
+struct LoraStep {
+  torch::Tensor slots;  // [T] int64
+  bool invariant;
+  std::map<std::pair<int64_t, int64_t>, torch::Tensor> masks;
+
+  // [T, num_slots * width] float32: 1 in each row's own slot's columns (LoRARows.mask)
+  const torch::Tensor& mask(int64_t width, int64_t num_slots) {
+    auto& m = masks[{width, num_slots}];
+    if (!m.defined()) {
+      const auto owner = torch::arange(1, num_slots + 1, slots.options()).repeat_interleave(width);
+      m = slots.unsqueeze(1).eq(owner.unsqueeze(0)).to(torch::kFloat);
+    }
+    return m;
+  }
+};
+
+// Every adapter slot's A [slots * width, in] and B [out, slots * width] of a layer (LoRAWeights).
+struct Lora {
+  torch::Tensor a, b;
+  int64_t width;
+
+  torch::Tensor delta(const torch::Tensor& x, const torch::Tensor& mask) const {
+    return at::matmul(at::matmul(x, a.t()).mul_(mask), b.t());
+  }
+
+  // layers/lora.py add_lora: y's rows with their adapters' deltas added, in place
+  void add_to(torch::Tensor& y, const torch::Tensor& x, LoraStep& step) const {
+    auto y2 = y.view({-1, y.size(-1)});
+    auto x2 = x.reshape({-1, x.size(-1)}).to(torch::kFloat);
+    auto mask = step.mask(width, a.size(0) / width);
+    if (!step.invariant) {
+      y2 += delta(x2, mask).to(y2.scalar_type());
+      return;
+    }
+    const int64_t n = x2.size(0), padded = (n + kInvariantLoraRows - 1) / kInvariantLoraRows * kInvariantLoraRows;
+    if (padded != n) {
+      x2 = torch::cat({x2, x2.new_zeros({padded - n, x2.size(1)})});
+      mask = torch::cat({mask, mask.new_zeros({padded - n, mask.size(1)})});
+    }
+    for (int64_t start = 0; start < n; start += kInvariantLoraRows) {
+      const int64_t end = std::min(start + kInvariantLoraRows, n);
+      const auto d = delta(x2.slice(0, start, start + kInvariantLoraRows), mask.slice(0, start, start + kInvariantLoraRows));
+      y2.slice(0, start, end) += d.slice(0, 0, end - start).to(y2.scalar_type());
+    }
+  }
+};
+
+// A quantized linear layer: its segments (fused projections) and their GGML types, a bias, and its
+// LoRA adapters' weights where any adapter targets it.
 struct Linear {
   std::vector<torch::Tensor> blocks;
   std::vector<int64_t> qtypes;
   c10::optional<torch::Tensor> bias;
+  c10::optional<Lora> lora;
 
-  torch::Tensor operator()(const torch::Tensor& x, const Dense& dense) const {
+  torch::Tensor operator()(const torch::Tensor& x, const Dense& dense, LoraStep* step) const {
     auto y = dense.min_rows > 0 && x.size(0) >= dense.min_rows ? qmatmul_dense(x, blocks, qtypes, dense.tile_rows)
                                                                : qmatmul(x, blocks, qtypes);
+    if (step != nullptr && lora) lora->add_to(y, x, *step);
     return bias ? y + *bias : y;
   }
 };
@@ -58,9 +115,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 }
 
 Linear linear_of(const py::handle& spec) {
-  const auto t = spec.cast<py::tuple>();  // (blocks, qtypes, bias)
+  const auto t = spec.cast<py::tuple>();  // (blocks, qtypes, bias, (lora A, lora B, width) or None)
+  c10::optional<Lora> lora;
+  if (!t[3].is_none()) {
+    const auto l = t[3].cast<py::tuple>();
+    lora = Lora{l[0].cast<torch::Tensor>(), l[1].cast<torch::Tensor>(), l[2].cast<int64_t>()};
+  }
   return {t[0].cast<std::vector<torch::Tensor>>(), t[1].cast<std::vector<int64_t>>(),
-          t[2].cast<c10::optional<torch::Tensor>>()};
+          t[2].cast<c10::optional<torch::Tensor>>(), lora};
 }
 
 // (weight, eps) or None
@@ -110,23 +172,28 @@ class DecoderPlan {
   // h [T, hidden] float32: the embedded tokens, added to in place as the Python path does. Returns
   // (h, delta) after the last layer (its output is h + delta, the final norm adds them).
   // dense_min_rows: as QuantLinear, calls of that many rows take the dense path (0: none does).
+  // lora_slots: each row's adapter slot where some row uses a LoRA adapter (layers/lora.py), else None;
+  // lora_invariant: the adapters' matmuls in calls of one shape (batch-invariant mode).
   std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, const std::vector<torch::Tensor>& cos,
                                                const std::vector<torch::Tensor>& sin,
                                                const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                                const torch::Tensor& query_start, const torch::Tensor& context_lens,
-                                               int64_t block_size, int64_t dense_min_rows, int64_t dense_tile_rows) {
+                                               int64_t block_size, int64_t dense_min_rows, int64_t dense_tile_rows,
+                                               const c10::optional<torch::Tensor>& lora_slots, bool lora_invariant) {
     const Dense dense{dense_min_rows, dense_tile_rows};
+    LoraStep lora{lora_slots ? *lora_slots : torch::Tensor(), lora_invariant, {}};
+    LoraStep* step = lora_slots ? &lora : nullptr;
     torch::Tensor d;  // the residual the next norm adds (none before the first layer)
     for (auto& l : layers_) {
       const auto x = d.defined() ? add_rms_norm_(h, d, l.attn_norm, l.attn_eps) : rms_norm(h, l.attn_norm, l.attn_eps);
-      const auto q = rope_write_kv(l.qkv(x, dense), cos.at(l.rope), sin.at(l.rope), l.k, l.v, slot_mapping, l.heads, l.kv_heads, l.q_norm,
+      const auto q = rope_write_kv(l.qkv(x, dense, step), cos.at(l.rope), sin.at(l.rope), l.k, l.v, slot_mapping, l.heads, l.kv_heads, l.q_norm,
                                    l.k_norm, l.qk_eps, l.k_scale, l.v_scale, l.k_offset, l.v_offset);
       const auto a = paged_attention(q, l.k, l.v, l.k_scale, l.v_scale, l.k_offset, l.v_offset, block_tables,
                                      query_start, context_lens, block_size, l.scale, l.window, l.softcap);
-      auto attn = l.o(a.flatten(1), dense);
+      auto attn = l.o(a.flatten(1), dense, step);
       if (l.post_attn_norm) attn = rms_norm(attn, *l.post_attn_norm, l.post_attn_eps);
       const auto x2 = add_rms_norm_(h, attn, l.mlp_norm, l.mlp_eps);
-      d = l.down(gated_act(l.gate_up(x2, dense), l.act), dense);
+      d = l.down(gated_act(l.gate_up(x2, dense, step), l.act), dense, step);
       if (l.post_mlp_norm) d = rms_norm(d, *l.post_mlp_norm, l.post_mlp_eps);
     }
     return {h, d};
@@ -145,7 +212,7 @@ void bind_decoder_plan(py::module& m) {
       .def(py::init<const py::list&>(), py::arg("specs"))
       .def("run", &DecoderPlan::run, "(h, delta) through every layer", py::arg("h"), py::arg("cos"), py::arg("sin"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start"), py::arg("context_lens"),
-           py::arg("block_size"), py::arg("dense_min_rows"), py::arg("dense_tile_rows"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("block_size"), py::arg("dense_min_rows"), py::arg("dense_tile_rows"), py::arg("lora_slots"),
+           py::arg("lora_invariant"), py::call_guard<py::gil_scoped_release>())
       .def("__len__", &DecoderPlan::size);
 }

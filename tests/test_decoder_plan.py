@@ -11,12 +11,12 @@ from wallbreaker import LLM, SamplingParams
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def main(): return x + y * 2 " * 3]
 
 
-def _run(llm: LLM, planned: bool, prompts: list[str] = PROMPTS, **params) -> list:
+def _run(llm: LLM, planned: bool, prompts: list[str] = PROMPTS, lora_request=None, **params) -> list:
     plan = llm.engine.runner.model.decoder_plan
     plan.enabled = planned
     plan.reset()
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, **params)
-    outs = llm.generate(prompts, sp)
+    outs = llm.generate(prompts, sp, lora_request=lora_request)
     assert (plan._plan is not None) == planned  # the plan ran exactly when asked
     return [(c.token_ids, c.logprobs, c.top_logprobs) for out in outs for c in out.outputs]
 
@@ -47,6 +47,22 @@ def test_decoder_plan_on_a_batch_past_the_dense_threshold(tiny_llama):
     llm = LLM(str(tiny_llama.gguf_path), enable_prefix_caching=False, max_num_seqs=64)
     prompts = [f"{p} {i}" for i in range(14) for p in PROMPTS][:40]
     assert _run(llm, True, prompts) == _run(llm, False, prompts)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_decoder_plan_with_lora_adapters_is_bit_identical_to_the_layers(tiny_llama, tmp_path, invariant):
+    """Two adapters and the base model in one batch: the plan adds each row's adapter delta with the
+    same ops in the same order as the layers (in batch-invariant mode, in calls of 16 rows)."""
+    from tiny_lora import make_peft_adapter
+
+    from wallbreaker import LoRARequest
+    adapters = [make_peft_adapter(tiny_llama, tmp_path / f"a{i}", seed=i) for i in (1, 2)]
+    llm = LLM(str(tiny_llama.gguf_path), enable_prefix_caching=False, enable_lora=True, max_loras=2,
+              max_lora_rank=8, batch_invariant=invariant)
+    loras = [LoRARequest("a1", 1, str(adapters[0])), None, LoRARequest("a2", 2, str(adapters[1]))]
+    planned = _run(llm, True, lora_request=loras)
+    assert planned == _run(llm, False, lora_request=loras)
+    assert planned != _run(llm, True)  # the adapters change the tokens, so the comparison means something
 
 
 def test_decoder_plan_follows_a_rebound_kv_pool(tiny_llama):

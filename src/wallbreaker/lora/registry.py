@@ -39,6 +39,7 @@ class LoRARegistry:
         if max_loras < 1 or max_lora_rank < 1:
             raise InvalidRequestError("max_loras and max_lora_rank must be at least 1")
         self.config = model.config
+        self.model = model
         self.max_loras, self.max_lora_rank, self.in_use = max_loras, max_lora_rank, in_use
         self.rows = LoRARows()
         self.targets: dict[str, _Target] = {}
@@ -116,6 +117,7 @@ class LoRARegistry:
             width = target.segments * self.max_lora_rank
             module.lora = LoRAWeights(torch.zeros(self.max_loras * width, _in_features(module)),
                                       torch.zeros(_out_features(module), self.max_loras * width), width)
+            self.model.decoder_plan.reset()  # the C++ stack holds each layer's LoRA weights
         w = module.lora
         start = (slot - 1) * w.width + target.segment * self.max_lora_rank
         w.a[start:start + a.shape[0]] = a

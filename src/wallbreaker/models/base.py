@@ -89,9 +89,8 @@ class CausalLM(nn.Module):
             h[rows] = values[:, :h.shape[-1]]
             if values.shape[-1] > h.shape[-1]:
                 deepstack = values[:, h.shape[-1]:].unflatten(-1, (-1, h.shape[-1]))  # [R, k, hidden]
-        # a step with LoRA rows runs the layers here: the C++ stack has no adapters
-        planned = None if deepstack is not None or self.lora_rows is not None and self.lora_rows.slots is not None \
-            else self.decoder_plan.run(h, meta)
+        planned = None if deepstack is not None \
+            else self.decoder_plan.run(h, meta, self.lora_rows.slots if self.lora_rows is not None else None)
         if planned is not None:
             return self.norm.add_and_norm(*planned)
         if self.prompt_rows is not None:

@@ -33,11 +33,14 @@ class DecoderStackPlan:
         self._ropes: list[nn.Module] = []  # the distinct RoPEs, in the order of `run`'s cos/sin lists
 
     def reset(self) -> None:
+        """Build the plan again at the next step (the KV pool or a layer's LoRA weights are new)."""
         self._plan = None
 
-    def run(self, h: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(self, h: torch.Tensor, meta: AttentionMetadata, lora_slots: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(h, delta) after the last layer, from the embedded tokens h; None where this step is not
-        for the plan (a prefill span, or the plan is off)."""
+        for the plan (a prefill span, or the plan is off). `lora_slots`: each row's LoRA adapter slot
+        where a row uses one (layers/lora.py)."""
         if not self.enabled or meta.prefills or meta.num_paged_tokens != meta.slot_mapping.shape[0]:
             return None
         plan = self._current()
@@ -47,7 +50,7 @@ class DecoderStackPlan:
         dense_min_rows = qk.DENSE_MIN_ROWS if self.dense and qk.dense_path() else 0
         return plan.run(h, [c for c, _ in cos_sin], [s for _, s in cos_sin], meta.slot_mapping,
                         meta.block_tables, meta.query_start, meta.context_lens, meta.block_size, dense_min_rows,
-                        qk.DENSE_TILE_ROWS)
+                        qk.DENSE_TILE_ROWS, lora_slots, not self.dense)
 
     def _current(self) -> _C.DecoderPlan | None:
         kv = [layer.attn.kv for layer in self.layers]
