@@ -5,7 +5,7 @@
 # against the same script's on this x86-64 host.
 #
 #   tests/arm_engine/run.sh            build what is missing (cached), then compare
-#   ARM_PYTEST=1 tests/arm_engine/run.sh   also a pytest subset under emulation (PYTEST_ARGS)
+#   ARM_PYTEST=1 tests/arm_engine/run.sh   also a pytest subset under emulation (PYTEST_ARGS: others)
 #
 # Everything lives in $CACHE (~/.cache/wallbreaker/arm64, outside the repository): Debian's arm64
 # packages unpacked into sysroot/ (not installed: the host's dpkg gets the arm64 architecture only
@@ -65,19 +65,20 @@ fi
 
 # 3. PyPI's aarch64 wheels into site/: torch (the same version as here; without its CUDA wheels)
 TORCH="$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')"
+TRANSFORMERS="$("$PYTHON" -c 'import transformers; print(transformers.__version__)')"  # the pytest subset's reference
 PIP=("$PYTHON" -m pip download -q --only-binary=:all: --python-version $PYVER --implementation cp
      --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64 -d "$CACHE/wheels")
-if [ ! -f "$CACHE/site/.done-$TORCH" ]; then
+if [ ! -f "$CACHE/site/.done-$TORCH-$TRANSFORMERS" ]; then
   "${PIP[@]}" --no-deps "torch==$TORCH" || skip "pip download of the aarch64 torch wheel failed (no network?)"
   "${PIP[@]}" numpy "gguf>=0.19,<0.20" tokenizers jinja2 safetensors tqdm psutil pytest pyyaml \
-    filelock typing-extensions sympy networkx fsspec || skip "pip download of the aarch64 wheels failed"
+    filelock typing-extensions sympy networkx fsspec "transformers==$TRANSFORMERS" || skip "pip download of the aarch64 wheels failed"
   rm -rf "$CACHE/site" "$CACHE/stubs"
   mkdir -p "$CACHE/site"
   for wheel in "$CACHE"/wheels/*.whl; do
     case "$wheel" in */torch-*) [[ "$wheel" == */torch-$TORCH-* ]] || continue ;; esac
     "$PYTHON" -m zipfile -e "$wheel" "$CACHE/site"
   done
-  touch "$CACHE/site/.done-$TORCH"
+  touch "$CACHE/site/.done-$TORCH-$TRANSFORMERS"
 fi
 
 # 4. stand-ins for the CUDA libraries the torch wheel links against
@@ -114,12 +115,17 @@ emulated=$SECONDS
 
 # 8. an optional pytest subset under emulation
 pytest_s=""
+# the kernels at the arm level against gguf's dequantization and across calls, paged attention
+# against dense attention, and a tiny llama against transformers (logits, 32 greedy tokens)
+PYTEST=(tests/test_kernels.py tests/test_attention_kernel.py tests/test_parity.py -k
+        "dequantization or same_bits or forcing_a_level or auto_model_matches or paged_attention_matches_dense or (tiny_model_matches_transformers and llama)")
+[ -z "${PYTEST_ARGS:-}" ] || eval "PYTEST=($PYTEST_ARGS)"
 if [ -n "${ARM_PYTEST:-}" ]; then
-  echo "== pytest under qemu-aarch64-static -cpu max: ${PYTEST_ARGS:=tests/test_attention_kernel.py tests/test_kernels.py -k arm_or_level}"
+  echo "== pytest under qemu-aarch64-static -cpu max: ${PYTEST[*]}"
   t0=$SECONDS
-  guest max -m pytest -q -p no:cacheprovider $PYTEST_ARGS
+  guest max -m pytest -q -p no:cacheprovider "${PYTEST[@]}"
   pytest_s=$((SECONDS - t0))
 fi
 
 "$PYTHON" $HERE/compare.py "$CACHE/out" --host-seconds "$((built - started))" --emulated-seconds "$((emulated - built))" \
-  ${pytest_s:+--pytest-seconds "$pytest_s" --pytest-args "$PYTEST_ARGS"} ${RESULTS:+--results "$RESULTS"}
+  ${pytest_s:+--pytest-seconds "$pytest_s" --pytest-args "${PYTEST[*]}"} ${RESULTS:+--results "$RESULTS"}
