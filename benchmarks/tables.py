@@ -377,7 +377,9 @@ def arm_engine(files: dict) -> list[str]:
             + f"; a tiny llama's 16 greedy tokens {'equal' if same else 'DIFFER from'} x86-64's on all "
             f"{len(runs)} runs ({', '.join(runs)}; equal to x86's float32 path's too: {', '.join(f32)}); "
             f"torch's import {g['import_s']:.0f} s, the check {d['seconds']['generate_x86_and_emulated']} s "
-            f"once built (`{d['command'].split('  ')[0]}`)."]
+            f"once built (`{d['command'].split('  ')[0]}`)"
+            + (f"; a pytest subset under emulation (kernels, attention, a tiny llama against transformers): "
+               f"{d['pytest']['summary']}." if d.get("pytest") else ".")]
 
 
 def recurrent_step(files: dict) -> list[str]:

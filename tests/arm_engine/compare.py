@@ -79,11 +79,12 @@ def main() -> None:
     parser.add_argument("--emulated-seconds", type=int)
     parser.add_argument("--pytest-seconds", type=int)
     parser.add_argument("--pytest-args")
+    parser.add_argument("--pytest-summary")
     args = parser.parse_args()
     summary, problems = compare(args.out)
     summary["seconds"] = {"build_or_check_cache": args.host_seconds, "generate_x86_and_emulated": args.emulated_seconds}
     if args.pytest_seconds is not None:
-        summary["pytest"] = {"args": args.pytest_args, "seconds": args.pytest_seconds}
+        summary["pytest"] = {"args": args.pytest_args, "summary": args.pytest_summary, "seconds": args.pytest_seconds}
     text = json.dumps(summary, indent=1) + "\n"
     (args.out / "arm_engine.json").write_text(text)
     if args.results:

@@ -103,7 +103,7 @@ OMP_NUM_THREADS=1 PYTHONPATH=src "$PYTHON" $HERE/generate.py "$CACHE/model" "$CA
 # 7. the same under qemu: -cpu max (dotprod, i8mm, SVE) and -cpu neoverse-n1 (dotprod alone)
 guest() {  # guest CPU, then the aarch64 python's arguments
   local cpu="$1"; shift
-  qemu-aarch64-static -cpu "$cpu" -L "$CACHE/sysroot" -E LD_LIBRARY_PATH="$CACHE/stubs" \
+  nice qemu-aarch64-static -cpu "$cpu" -L "$CACHE/sysroot" -E LD_LIBRARY_PATH="$CACHE/stubs" \
     -E PYTHONPATH="$CACHE/pkg:$CACHE/site:$PWD/tests" -E PYTHONNOUSERSITE=1 -E OMP_NUM_THREADS=1 \
     -E WALLBREAKER_KERNEL_TUNING=0 -E HOME="$CACHE/home" "$CACHE/sysroot/usr/bin/python$PYVER" "$@"
 }
@@ -123,9 +123,9 @@ PYTEST=(tests/test_kernels.py tests/test_attention_kernel.py tests/test_parity.p
 if [ -n "${ARM_PYTEST:-}" ]; then
   echo "== pytest under qemu-aarch64-static -cpu max: ${PYTEST[*]}"
   t0=$SECONDS
-  guest max -m pytest -q -p no:cacheprovider "${PYTEST[@]}"
+  guest max -m pytest -o addopts= -q -p no:cacheprovider "${PYTEST[@]}" | tee "$CACHE/out/pytest.log"
   pytest_s=$((SECONDS - t0))
 fi
 
 "$PYTHON" $HERE/compare.py "$CACHE/out" --host-seconds "$((built - started))" --emulated-seconds "$((emulated - built))" \
-  ${pytest_s:+--pytest-seconds "$pytest_s" --pytest-args "${PYTEST[*]}"} ${RESULTS:+--results "$RESULTS"}
+  ${pytest_s:+--pytest-seconds "$pytest_s" --pytest-args "${PYTEST[*]}" --pytest-summary "$(tail -1 "$CACHE/out/pytest.log")"} ${RESULTS:+--results "$RESULTS"}
