@@ -6,10 +6,10 @@
 #
 #   tests/arm_engine/build_ext.sh SYSROOT SITE OUT
 # SYSROOT: Debian's arm64 packages unpacked (usr/include/python3.11); SITE: the site-packages holding
-# the aarch64 torch; OUT: the .so to write. Objects are kept next to OUT and rebuilt only when older
-# than a source or header under csrc/.
+# the aarch64 torch; OUT: the .so to write (its objects beside it).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+script="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$script")/../.."
 sysroot="$1" site="$2" out="$3"
 objs="$(dirname "$out")/obj"
 mkdir -p "$objs"
@@ -19,20 +19,22 @@ FLAGS=(-std=c++20 -fPIC -O3 -fopenmp -fno-math-errno -Wno-uninitialized -Wno-may
        -DNDEBUG -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C
        -isystem "$site/torch/include" -isystem "$site/torch/include/torch/csrc/api/include"
        -isystem "$sysroot/usr/include/python3.11" -isystem "$sysroot/usr/include")
-headers_newest=$(ls -t csrc/*.h csrc/*.inc | head -1)
+# rebuilt when a source, a header, setup.py, this script or the torch headers change (contents,
+# not times: a fresh clone reuses the cache)
+key=$(cat csrc/* setup.py "$script" "$site/torch/version.py" | sha256sum | cut -c1-16)
+if [ -f "$out" ] && [ "$(cat "$objs/key" 2>/dev/null)" = "$key" ]; then echo "cached $out"; exit 0; fi
 pids=() built=()
 for src in $SRC; do
   obj="$objs/$(basename "${src%.cpp}").o"
   built+=("$obj")
-  if [ ! -f "$obj" ] || [ "$src" -nt "$obj" ] || [ "$headers_newest" -nt "$obj" ]; then
-    echo "compile $src"
-    (nice "$CXX" "${FLAGS[@]}" -c "$src" -o "$obj.tmp" && mv "$obj.tmp" "$obj") &
-    pids+=($!)
-    if [ "${#pids[@]}" -ge "${JOBS:-2}" ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
-  fi
+  echo "compile $src"
+  (nice "$CXX" "${FLAGS[@]}" -c "$src" -o "$obj.tmp" && mv "$obj.tmp" "$obj") &
+  pids+=($!)
+  if [ "${#pids[@]}" -ge "${JOBS:-2}" ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
 done
 for p in "${pids[@]}"; do wait "$p"; done
 "$CXX" -shared -fopenmp "${built[@]}" -L"$site/torch/lib" -lc10 -ltorch -ltorch_cpu -ltorch_python \
   -Wl,-rpath-link,"$site/torch/lib" -o "$out.tmp"
 mv "$out.tmp" "$out"
+echo "$key" > "$objs/key"
 echo "built $out"

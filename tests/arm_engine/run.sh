@@ -69,9 +69,10 @@ TRANSFORMERS="$("$PYTHON" -c 'import transformers; print(transformers.__version_
 PIP=("$PYTHON" -m pip download -q --only-binary=:all: --python-version $PYVER --implementation cp
      --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64 -d "$CACHE/wheels")
 if [ ! -f "$CACHE/site/.done-$TORCH-$TRANSFORMERS" ]; then
-  "${PIP[@]}" --no-deps "torch==$TORCH" || skip "pip download of the aarch64 torch wheel failed (no network?)"
-  "${PIP[@]}" numpy "gguf>=0.19,<0.20" tokenizers jinja2 safetensors tqdm psutil pytest pyyaml \
-    filelock typing-extensions sympy networkx fsspec "transformers==$TRANSFORMERS" || skip "pip download of the aarch64 wheels failed"
+  "${PIP[@]}" --no-deps "torch==$TORCH" 2>>"$CACHE/pip.log" \
+    || skip "pip download of the aarch64 torch wheel failed (no network? $CACHE/pip.log)"
+  "${PIP[@]}" numpy "gguf>=0.19,<0.20" tokenizers jinja2 safetensors tqdm psutil pytest pyyaml filelock typing-extensions \
+    sympy networkx fsspec "transformers==$TRANSFORMERS" 2>>"$CACHE/pip.log" || skip "pip download failed ($CACHE/pip.log)"
   rm -rf "$CACHE/site" "$CACHE/stubs"
   mkdir -p "$CACHE/site"
   for wheel in "$CACHE"/wheels/*.whl; do
@@ -84,7 +85,7 @@ fi
 # 4. stand-ins for the CUDA libraries the torch wheel links against
 [ -f "$CACHE/stubs/libcudart.so.13" ] || nice "$PYTHON" $HERE/cuda_stubs.py "$CACHE/site" "$CACHE/sysroot" "$CACHE/stubs"
 
-# 5. wallbreaker._C for aarch64 (incremental), and the package beside it
+# 5. wallbreaker._C for aarch64 (rebuilt when csrc/ changes), and the package beside it
 SO="$CACHE/ext/_C.cpython-${PYVER/./}-aarch64-linux-gnu.so"
 $HERE/build_ext.sh "$CACHE/sysroot" "$CACHE/site" "$SO"
 rm -rf "$CACHE/pkg" && mkdir -p "$CACHE/pkg" && cp -r src/wallbreaker "$CACHE/pkg/"
