@@ -8,8 +8,8 @@
 #   ARM_PYTEST=1 tests/arm_engine/run.sh   also a pytest subset under emulation (PYTEST_ARGS: others)
 #
 # Everything lives in $CACHE (~/.cache/wallbreaker/arm64, outside the repository): Debian's arm64
-# packages unpacked into sysroot/ (not installed: the host's dpkg gets the arm64 architecture only
-# to download them), the aarch64 wheels in site/, the CUDA stand-ins (cuda_stubs.py), the extension
+# packages unpacked into sysroot/ (downloaded, not installed: dpkg's architectures are left alone),
+# the aarch64 wheels in site/, the CUDA stand-ins (cuda_stubs.py), the extension
 # (build_ext.sh, rebuilt when csrc/ changes), the tiny model, the outputs. A second run rebuilds
 # nothing. Needs root and apt (cross compiler, qemu, arm64 packages) and PyPI the first time;
 # without them it says so and exits 0. RESULTS=FILE also writes the comparison there (what
@@ -39,9 +39,11 @@ DEBS=(python$PYVER-minimal libpython$PYVER-minimal libpython$PYVER-stdlib libpyt
       libuuid1 libncursesw6 libtinfo6 libreadline8 libcrypt1 libnsl2 libtirpc3 libdb5.3 libgdbm6)
 if [ ! -f "$CACHE/sysroot/.done" ]; then
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || skip "the arm64 sysroot needs apt-get as root"
-  if ! dpkg --print-foreign-architectures | grep -qx arm64; then dpkg --add-architecture arm64; fi
-  apt-get update -qq || skip "apt-get update failed (no network?)"
-  (cd "$CACHE/debs" && apt-get download "${DEBS[@]/%/:arm64}" >/dev/null 2>&1) || skip "apt-get download of arm64 packages failed"
+  # arm64 for these two commands only: dpkg's own architectures stay as they are
+  arches=(-o APT::Architectures::="$(dpkg --print-architecture)" -o APT::Architectures::=arm64)
+  apt-get "${arches[@]}" update -qq || skip "apt-get update failed (no network?)"
+  (cd "$CACHE/debs" && apt-get "${arches[@]}" download "${DEBS[@]/%/:arm64}" >/dev/null 2>&1) \
+    || skip "apt-get download of arm64 packages failed"
   rm -rf "$CACHE/sysroot"
   for deb in "$CACHE"/debs/*.deb; do dpkg -x "$deb" "$CACHE/sysroot"; done
   # qemu-user shows the guest the host's /proc/cpuinfo (x86's) unless the -L prefix has one:
