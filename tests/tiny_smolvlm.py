@@ -13,6 +13,7 @@ plus the global image.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,10 +33,36 @@ SMOLVLM_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
 
-def make_tiny_smolvlm(out: Path, seed: int = 0, family: str = "Idefics3") -> Path:
+@dataclass(frozen=True)
+class SmolVLMShape:
+    """The sizes of a SmolVLM: the tiny one the tests use by default; `SMOLVLM_256M` is
+    HuggingFaceTB/SmolVLM-256M-Instruct's (for benchmarks/vision.py, with random weights)."""
+
+    text: dict = field(default_factory=lambda: dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    vision: dict = field(default_factory=lambda: dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                      num_attention_heads=2))
+    tile: int = TILE
+    patch: int = PATCH
+    scale: int = SCALE
+    longest: int = LONGEST
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return (self.tile // self.patch) ** 2 // self.scale ** 2
+
+
+SMOLVLM_256M = SmolVLMShape(
+    text=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+              num_key_value_heads=3, head_dim=64),
+    vision=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+    tile=512, patch=16, scale=4, longest=2048)
+
+
+def make_tiny_smolvlm(out: Path, seed: int = 0, family: str = "Idefics3", shape: SmolVLMShape = SmolVLMShape()) -> Path:
     """The folder of a tiny SmolVLM under `out`; returns it. `family` "SmolVLM": saved as SmolVLM2's
     are (`SmolVLMForConditionalGeneration`, model_type `smolvlm`); the processor stays Idefics3's
-    (SmolVLM's needs `num2words`), the same preprocessing and prompt."""
+    (SmolVLM's needs `num2words`), the same preprocessing and prompt. `shape`: its sizes."""
     import transformers as tf
     from tiny_recurrent import smollm2_tokenizer
     from tokenizers import AddedToken
@@ -47,16 +74,14 @@ def make_tiny_smolvlm(out: Path, seed: int = 0, family: str = "Idefics3") -> Pat
                                                           for t in ADDED]})
     tok.chat_template = SMOLVLM_CHAT_TEMPLATE
     ids = {t: tok.convert_tokens_to_ids(t) for t in ADDED}
-    text = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    text = tf.LlamaConfig(vocab_size=len(tok), **shape.text, max_position_embeddings=max(1024, 8 * shape.longest),
                           rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=False,
                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)
-    vision = getattr(tf, f"{family}VisionConfig")(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                  num_attention_heads=2, image_size=TILE, patch_size=PATCH,
+    vision = getattr(tf, f"{family}VisionConfig")(**shape.vision, image_size=shape.tile, patch_size=shape.patch,
                                                   layer_norm_eps=1e-6)
     config = getattr(tf, f"{family}Config")(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                            scale_factor=SCALE, image_token_id=ids["<image>"],
+                                            scale_factor=shape.scale, image_token_id=ids["<image>"],
                                             tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = getattr(tf, f"{family}ForConditionalGeneration")(config).float().eval()
@@ -77,9 +102,9 @@ def make_tiny_smolvlm(out: Path, seed: int = 0, family: str = "Idefics3") -> Pat
     saved = json.loads((out / "config.json").read_text())
     saved["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
     (out / "config.json").write_text(json.dumps(saved, indent=2))
-    images = tf.Idefics3ImageProcessorPil(size={"longest_edge": LONGEST}, max_image_size={"longest_edge": TILE},
-                                         do_image_splitting=True)
+    images = tf.Idefics3ImageProcessorPil(size={"longest_edge": shape.longest},
+                                         max_image_size={"longest_edge": shape.tile}, do_image_splitting=True)
     processor = tf.Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=SMOLVLM_CHAT_TEMPLATE,
-                                     image_seq_len=TOKENS_PER_TILE)
+                                     image_seq_len=shape.tokens_per_tile)
     processor.save_pretrained(out)
     return out

@@ -1,0 +1,158 @@
+"""Images in beside llama.cpp's `llama-mtmd-cli` (issue 50, item 6): the image's encode time and the
+time to first token of a one-image prompt, on the same GGUF and mmproj pair of a real model's shape
+with random weights (SmolVLM-256M's by default), and the time to first token of the same image in a
+second conversation (the prefix and encoder caches' hits: issue 50, item 3, at most half the cold one).
+
+The model: transformers builds SmolVLM-256M-Instruct's shape (tests/tiny_smolvlm.py `SMOLVLM_256M`,
+random weights, SmolLM2's tokenizer with SmolVLM's added tokens) as a Hugging Face folder, and
+llama.cpp's own converter writes the pair (text Q8_0, mmproj F16), so both engines read the very files a
+user would have converted. Everything is written outside the repository (`--dir`). Each side runs in
+fresh processes, A/B/A (ours, llama.cpp, ours) per round; the photograph is scikit-image's astronaut
+(512x512, so SmolVLM splits it into one tile plus the global image: 2 x 64 image tokens).
+
+    python benchmarks/vision.py --dir ~/vision-models --llama-cpp-dir ~/llama.cpp/build/bin
+    python benchmarks/vision.py --dir /tmp/v --rounds 1 --json /tmp/v.json      # no llama.cpp: ours only
+
+llama-mtmd-cli comes from the llama-cpp-python sdist's vendored llama.cpp (`cmake -B build
+-DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-mtmd-cli`), built outside the
+repository. Writes benchmarks/results/vision_<shape>.json with the machine, the command and every run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# tests/ for the converter's fetcher and the SmolVLM builder, in place of benchmarks/ itself, whose
+# kernels.py would shadow the `kernels` package transformers imports
+sys.path[0] = str(Path(__file__).resolve().parent.parent / "tests")
+
+RESULTS = Path(__file__).parent / "results"
+PROMPTS = ("Describe the image.", "What colours are in it?")
+
+_OURS = r"""
+import json, sys, time
+from PIL import Image
+from wallbreaker import LLM, SamplingParams
+text, mmproj, image, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+llm = LLM(text, mmproj=mmproj, num_threads=threads)
+picture = Image.open(image).convert("RGB")
+one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+rows = []
+for prompt in %r:
+    out = llm.chat([{"role": "user", "content": [{"type": "image", "image": picture},
+                                                   {"type": "text", "text": prompt}]}], one)[0]
+    rows.append({"ttft_s": out.metrics["ttft_s"], "image_encode_s": out.metrics.get("image_encode_s", 0.0),
+                 "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.metrics["num_cached_prompt_tokens"]})
+print(json.dumps(rows))
+""" % (PROMPTS,)
+
+
+def build_pair(out: Path) -> tuple[Path, Path]:
+    """The random-weight SmolVLM-256M-shape folder and llama.cpp's converter's pair of it (Q8_0 text,
+    F16 mmproj), made once in `out`."""
+    from llamacpp_converter import convert, fetch
+    from tiny_smolvlm import SMOLVLM_256M, make_tiny_smolvlm
+
+    from wallbreaker.formats.packaged import cache_dir
+    folder = out / "hf"
+    if not (folder / "config.json").is_file():
+        make_tiny_smolvlm(folder, shape=SMOLVLM_256M)
+    converter = fetch(cache_dir())
+    return (convert(converter, folder, "q8_0", out / "smolvlm-256m-q8_0.gguf"),
+            convert(converter, folder, "f16", out / "mmproj-smolvlm-256m-f16.gguf", ("--mmproj",)))
+
+
+def photograph(out: Path) -> Path:
+    from PIL import Image
+    from skimage import data
+    path = out / "astronaut.png"
+    if not path.is_file():
+        Image.fromarray(data.astronaut()).save(path)
+    return path
+
+
+def ours(text: Path, mmproj: Path, image: Path, threads: int) -> list[dict]:
+    """One fresh process: the cold request, then the same image in a second conversation."""
+    done = subprocess.run([sys.executable, "-c", _OURS, str(text), str(mmproj), str(image), str(threads)],
+                          capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp(tool: Path, text: Path, mmproj: Path, image: Path, threads: int) -> dict:
+    """`llama-mtmd-cli` generating one token: its own timings of the image's encode ("image slice
+    encoded in") and of the image's and the prompt's decode, and the process's wall time."""
+    start = time.perf_counter()
+    done = subprocess.run([str(tool), "-m", str(text), "--mmproj", str(mmproj), "--image", str(image),
+                           "-p", PROMPTS[0], "-n", "1", "-t", str(threads), "--temp", "0", "-c", "4096"],
+                          capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - start
+    log = done.stdout + done.stderr
+    if done.returncode:
+        raise RuntimeError(f"llama-mtmd-cli exited with {done.returncode}: {log.strip().splitlines()[-3:]}")
+    encoded = [float(m) for m in re.findall(r"image slice encoded in (\d+(?:\.\d+)?) ms", log)]
+    decoded = [float(m) for m in re.findall(r"image decoded \(batch \d+/\d+\) in (\d+(?:\.\d+)?) ms", log)]
+    prompt = re.search(r"prompt eval time =\s+(\d+(?:\.\d+)?) ms", log)
+    return {"image_encode_s": sum(encoded) / 1e3, "image_decode_s": sum(decoded) / 1e3,
+            "prompt_eval_s": float(prompt.group(1)) / 1e3 if prompt else None, "wall_s": wall,
+            "ttft_s": (sum(encoded) + sum(decoded)) / 1e3 + (float(prompt.group(1)) / 1e3 if prompt else 0.0)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", type=Path, required=True, help="where the model and its GGUF pair are made (outside the repo)")
+    p.add_argument("--llama-cpp-dir", default=None, help="folder with llama-mtmd-cli (else $LLAMA_CPP_DIR, PATH)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="A/B/A rounds (ours, llama.cpp, ours)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+
+    from wallbreaker.measure.baselines.llama_cpp import find_tool
+    from wallbreaker.measure.machine import describe_machine, machine_facts
+    args.dir.mkdir(parents=True, exist_ok=True)
+    text, mmproj = build_pair(args.dir / "smolvlm-256m")
+    image = photograph(args.dir)
+    tool = find_tool("llama-mtmd-cli", args.llama_cpp_dir)
+    facts = machine_facts(args.threads)
+    print(describe_machine(facts))
+    runs: list[dict] = []
+    for r in range(args.rounds):
+        for side in ("ours", "llama.cpp", "ours"):
+            if side == "llama.cpp":
+                if tool is None:
+                    continue
+                row = {"side": side, "round": r, **llama_cpp(tool, text, mmproj, image, args.threads)}
+            else:
+                cold, warm = ours(text, mmproj, image, args.threads)
+                row = {"side": side, "round": r, **cold, "warm_ttft_s": warm["ttft_s"],
+                       "warm_cached_tokens": warm["cached_tokens"], "warm_image_encode_s": warm["image_encode_s"]}
+            runs.append(row)
+            print(json.dumps(row))
+
+    def median(side: str, key: str) -> float | None:
+        values = [row[key] for row in runs if row["side"] == side and row.get(key) is not None]
+        return statistics.median(values) if values else None
+    summary = {"ours_ttft_s": median("ours", "ttft_s"), "ours_image_encode_s": median("ours", "image_encode_s"),
+               "ours_warm_ttft_s": median("ours", "warm_ttft_s"),
+               "llama_cpp_ttft_s": median("llama.cpp", "ttft_s"),
+               "llama_cpp_image_encode_s": median("llama.cpp", "image_encode_s")}
+    if summary["ours_warm_ttft_s"] and summary["ours_ttft_s"]:
+        summary["warm_over_cold"] = summary["ours_warm_ttft_s"] / summary["ours_ttft_s"]
+    if summary["llama_cpp_ttft_s"]:
+        summary["ttft_speedup"] = summary["llama_cpp_ttft_s"] / summary["ours_ttft_s"]
+        summary["encode_speedup"] = summary["llama_cpp_image_encode_s"] / summary["ours_image_encode_s"]
+    print(json.dumps(summary))
+    out = args.json or RESULTS / "vision_smolvlm-256m.json"
+    out.write_text(json.dumps({"machine": facts, "command": facts["command"], "model": "SmolVLM-256M shape, random "
+                               "weights, text Q8_0 + mmproj F16 (llama.cpp's converter)", "image": "skimage astronaut "
+                               "512x512", "summary": summary, "runs": runs}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
