@@ -382,6 +382,35 @@ def arm_engine(files: dict) -> list[str]:
                f"{d['pytest']['summary']}." if d.get("pytest") else ".")]
 
 
+def lora_batch(files: dict) -> list[str]:
+    """One line per file: a batch's decode throughput with LoRA adapters against the same batch without."""
+    out = []
+    for name in sorted(n for n in files if n.startswith("lora_batch_")):
+        d = files[name]
+        med = d["median_tokens_per_s"]
+        out.append(f"LoRA ({link(name)}): {d['sequences']} sequences over {d['adapters']} rank-{d['rank']} adapters "
+                   f"on {d['model']} ({d['dtype']}), {d['decode_tokens']} tokens: {num(med['adapters'])} against "
+                   f"{num(med['base'])} decode tokens/s without adapters = {d['throughput_ratio']:.2f} (goal "
+                   f"{d['goal_ratio']:.2f}; A/B/A, {len(d['runs']['adapters'])} rounds); {host(machine_of(d))}; "
+                   f"{commit_of(d)}; `{command_of(d)}`.")
+    return out
+
+
+def vision(files: dict) -> list[str]:
+    """One line per file: an image's encode time and time to first token beside llama-mtmd-cli."""
+    out = []
+    for name in sorted(n for n in files if n.startswith("vision_")):
+        d, s = files[name], files[name]["summary"]
+        theirs = (f"; llama-mtmd-cli {num(s['llama_cpp_image_encode_s'], 2)} s / {num(s['llama_cpp_ttft_s'], 2)} s "
+                  f"(ours {s['encode_speedup']:.2f}x / {s['ttft_speedup']:.2f}x)") if s.get("llama_cpp_ttft_s") else \
+            "; llama-mtmd-cli not run"
+        out.append(f"Images ({link(name)}): {d['model']}, {d['image']}: encode / first token, medians, ours "
+                   f"{num(s['ours_image_encode_s'], 2)} s / {num(s['ours_ttft_s'], 2)} s{theirs}; the same image in a "
+                   f"second conversation {num(s['ours_warm_ttft_s'], 2)} s ({s['warm_over_cold']:.2f} of the first); "
+                   f"{host(machine_of(d))}; {commit_of(d)}; `{command_of(d)}`.")
+    return out
+
+
 def recurrent_step(files: dict) -> list[str]:
     name = "recurrent_spec_step.json"
     lines = ["| model | drafts | plain step ms | verifying step ms | ratio | rounds | host | commit |",
@@ -495,7 +524,7 @@ def agent_turns(files: dict) -> list[str]:
 
 GENERATORS = {
     "headline": headline, "speed": speed, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
-    "recurrent_step": recurrent_step, "arm_mca": arm_mca, "arm_engine": arm_engine, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
+    "recurrent_step": recurrent_step, "lora_batch": lora_batch, "vision": vision, "arm_mca": arm_mca, "arm_engine": arm_engine, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,
     "embeddings": embeddings, "agent_turns": agent_turns,

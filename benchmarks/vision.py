@@ -85,22 +85,26 @@ def ours(text: Path, mmproj: Path, image: Path, threads: int) -> list[dict]:
 
 
 def llama_cpp(tool: Path, text: Path, mmproj: Path, image: Path, threads: int) -> dict:
-    """`llama-mtmd-cli` generating one token: its own timings of the image's encode ("image slice
-    encoded in") and of the image's and the prompt's decode, and the process's wall time."""
+    """`llama-mtmd-cli` generating one token: the image's encode time (the sum of its "mtmd batch
+    encoding done in" lines, one a tile) and the time to its first token (the process's wall time
+    from its `main: loading model` line on: its model load, a fraction of a second, counts against
+    it). `--no-repack`: llama.cpp's AMX weight buffers crash in `ggml_backend_amx_mul_mat` on the AMX
+    Xeon this was first run on; without them it runs its AVX-512 kernels."""
     start = time.perf_counter()
     done = subprocess.run([str(tool), "-m", str(text), "--mmproj", str(mmproj), "--image", str(image),
-                           "-p", PROMPTS[0], "-n", "1", "-t", str(threads), "--temp", "0", "-c", "4096"],
-                          capture_output=True, text=True, timeout=1800)
+                           "-p", PROMPTS[0], "-n", "1", "-t", str(threads), "--temp", "0", "-c", "4096",
+                           "--no-repack"], capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - start
     log = done.stdout + done.stderr
     if done.returncode:
         raise RuntimeError(f"llama-mtmd-cli exited with {done.returncode}: {log.strip().splitlines()[-3:]}")
-    encoded = [float(m) for m in re.findall(r"image slice encoded in (\d+(?:\.\d+)?) ms", log)]
-    decoded = [float(m) for m in re.findall(r"image decoded \(batch \d+/\d+\) in (\d+(?:\.\d+)?) ms", log)]
-    prompt = re.search(r"prompt eval time =\s+(\d+(?:\.\d+)?) ms", log)
-    return {"image_encode_s": sum(encoded) / 1e3, "image_decode_s": sum(decoded) / 1e3,
-            "prompt_eval_s": float(prompt.group(1)) / 1e3 if prompt else None, "wall_s": wall,
-            "ttft_s": (sum(encoded) + sum(decoded)) / 1e3 + (float(prompt.group(1)) / 1e3 if prompt else 0.0)}
+    encoded = [float(m) for m in re.findall(r"mtmd batch encoding done in (\d+(?:\.\d+)?) ms", log)]
+    main_at = re.search(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) I main: loading model", log, re.M)
+    if not encoded or main_at is None:
+        raise RuntimeError("llama-mtmd-cli's log has no encode timings or no `main: loading model` line")
+    minutes, seconds, ms, us = (int(x) for x in main_at.groups())
+    return {"image_encode_s": sum(encoded) / 1e3, "tiles_encoded": len(encoded), "wall_s": wall,
+            "ttft_s": wall - (60 * minutes + seconds + ms / 1e3 + us / 1e6)}
 
 
 def main() -> None:
