@@ -74,9 +74,9 @@ def _rewrite_gguf(src, dst, arch=None, tensor_type=None):
 
 
 def test_unknown_architecture(tiny_llama, tmp_path):
-    path = tmp_path / "rwkv7.gguf"
-    _rewrite_gguf(tiny_llama.gguf_path, path, arch="rwkv7")
-    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'rwkv7'"):
+    path = tmp_path / "grok.gguf"
+    _rewrite_gguf(tiny_llama.gguf_path, path, arch="grok")
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'grok'"):
         LLM(str(path))
     assert_clean_failure(cli("generate", "--model", str(path), "hi"), "unsupported architecture")
 
@@ -92,9 +92,9 @@ def test_unknown_hf_model_type(tiny_llama, tmp_path):
     folder = tmp_path / "hf"
     shutil.copytree(tiny_llama.hf_dir, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["model_type"] = "rwkv7"
+    config["model_type"] = "grok-1"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="rwkv7"):
+    with pytest.raises(UnsupportedModelError, match="grok-1"):
         LLM(str(folder))
 
 
