@@ -118,8 +118,8 @@ def test_packed_path_perplexity_change_from_an_adapter_matches_float32(llama_lor
 
 
 def test_packed_path_batch_with_and_without_an_adapter_gives_each_its_tokens_alone(llama_lora_gguf):
-    """Decode steps through our kernels: with an adapter in the step the layers run from Python, without
-    one the C++ decoder stack; a sequence's tokens are the same either way."""
+    """Decode steps through our kernels (the C++ decoder stack, with or without adapters in the step):
+    a sequence's tokens are the same alone and in a batch that mixes the adapter and the base."""
     tiny, _, gguf_file = llama_lora_gguf
     with LLM(str(tiny.quantized_gguf(gguf.GGMLQuantizationType.Q8_0)), enable_lora=True) as llm:
         loras = [LoRARequest("a", 1, str(gguf_file)), None, LoRARequest("a", 1, str(gguf_file))]
