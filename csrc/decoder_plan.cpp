@@ -10,7 +10,6 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,55 +24,10 @@ struct Dense {
   int64_t min_rows, tile_rows;
 };
 
-// A step's LoRA rows (layers/lora.py): each row's adapter slot (0: none), and whether the adapters'
-// matmuls run in calls of exactly kInvariantLoraRows rows (batch-invariant mode); masks by width.
-constexpr int64_t kInvariantLoraRows = 16;  // layers/lora.py INVARIANT_LORA_ROWS
-
-struct LoraStep {
-  torch::Tensor slots;  // [T] int64
-  bool invariant;
-  std::map<std::pair<int64_t, int64_t>, torch::Tensor> masks;
-
-  // [T, num_slots * width] float32: 1 in each row's own slot's columns (LoRARows.mask)
-  const torch::Tensor& mask(int64_t width, int64_t num_slots) {
-    auto& m = masks[{width, num_slots}];
-    if (!m.defined()) {
-      const auto owner = torch::arange(1, num_slots + 1, slots.options()).repeat_interleave(width);
-      m = slots.unsqueeze(1).eq(owner.unsqueeze(0)).to(torch::kFloat);
-    }
-    return m;
-  }
-};
-
-// Every adapter slot's A [slots * width, in] and B [out, slots * width] of a layer (LoRAWeights).
+// Every adapter slot's A [slots * width, in] and Bᵀ [slots * width, out] of a layer (LoRAWeights).
 struct Lora {
-  torch::Tensor a, b;
+  torch::Tensor a, b_t;
   int64_t width;
-
-  torch::Tensor delta(const torch::Tensor& x, const torch::Tensor& mask) const {
-    return at::matmul(at::matmul(x, a.t()).mul_(mask), b.t());
-  }
-
-  // layers/lora.py add_lora: y's rows with their adapters' deltas added, in place
-  void add_to(torch::Tensor& y, const torch::Tensor& x, LoraStep& step) const {
-    auto y2 = y.view({-1, y.size(-1)});
-    auto x2 = x.reshape({-1, x.size(-1)}).to(torch::kFloat);
-    auto mask = step.mask(width, a.size(0) / width);
-    if (!step.invariant) {
-      y2 += delta(x2, mask).to(y2.scalar_type());
-      return;
-    }
-    const int64_t n = x2.size(0), padded = (n + kInvariantLoraRows - 1) / kInvariantLoraRows * kInvariantLoraRows;
-    if (padded != n) {
-      x2 = torch::cat({x2, x2.new_zeros({padded - n, x2.size(1)})});
-      mask = torch::cat({mask, mask.new_zeros({padded - n, mask.size(1)})});
-    }
-    for (int64_t start = 0; start < n; start += kInvariantLoraRows) {
-      const int64_t end = std::min(start + kInvariantLoraRows, n);
-      const auto d = delta(x2.slice(0, start, start + kInvariantLoraRows), mask.slice(0, start, start + kInvariantLoraRows));
-      y2.slice(0, start, end) += d.slice(0, 0, end - start).to(y2.scalar_type());
-    }
-  }
 };
 
 // A quantized linear layer: its segments (fused projections) and their GGML types, a bias, and its
@@ -84,10 +38,11 @@ struct Linear {
   c10::optional<torch::Tensor> bias;
   c10::optional<Lora> lora;
 
-  torch::Tensor operator()(const torch::Tensor& x, const Dense& dense, LoraStep* step) const {
+  // lora_slots: the step's rows' adapter slots (layers/lora.py), or undefined where no row has one
+  torch::Tensor operator()(const torch::Tensor& x, const Dense& dense, const torch::Tensor& lora_slots) const {
     auto y = dense.min_rows > 0 && x.size(0) >= dense.min_rows ? qmatmul_dense(x, blocks, qtypes, dense.tile_rows)
                                                                : qmatmul(x, blocks, qtypes);
-    if (step != nullptr && lora) lora->add_to(y, x, *step);
+    if (lora_slots.defined() && lora) lora_add_(y, x, lora->a, lora->b_t, lora_slots, lora->width);
     return bias ? y + *bias : y;
   }
 };
@@ -115,7 +70,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 }
 
 Linear linear_of(const py::handle& spec) {
-  const auto t = spec.cast<py::tuple>();  // (blocks, qtypes, bias, (lora A, lora B, width) or None)
+  const auto t = spec.cast<py::tuple>();  // (blocks, qtypes, bias, (lora A, lora Bᵀ, width) or None)
   c10::optional<Lora> lora;
   if (!t[3].is_none()) {
     const auto l = t[3].cast<py::tuple>();
@@ -172,17 +127,15 @@ class DecoderPlan {
   // h [T, hidden] float32: the embedded tokens, added to in place as the Python path does. Returns
   // (h, delta) after the last layer (its output is h + delta, the final norm adds them).
   // dense_min_rows: as QuantLinear, calls of that many rows take the dense path (0: none does).
-  // lora_slots: each row's adapter slot where some row uses a LoRA adapter (layers/lora.py), else None;
-  // lora_invariant: the adapters' matmuls in calls of one shape (batch-invariant mode).
+  // lora_slots: each row's adapter slot where some row uses a LoRA adapter (layers/lora.py), else None.
   std::tuple<torch::Tensor, torch::Tensor> run(torch::Tensor h, const std::vector<torch::Tensor>& cos,
                                                const std::vector<torch::Tensor>& sin,
                                                const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                                const torch::Tensor& query_start, const torch::Tensor& context_lens,
                                                int64_t block_size, int64_t dense_min_rows, int64_t dense_tile_rows,
-                                               const c10::optional<torch::Tensor>& lora_slots, bool lora_invariant) {
+                                               const c10::optional<torch::Tensor>& lora_slots) {
     const Dense dense{dense_min_rows, dense_tile_rows};
-    LoraStep lora{lora_slots ? *lora_slots : torch::Tensor(), lora_invariant, {}};
-    LoraStep* step = lora_slots ? &lora : nullptr;
+    const torch::Tensor step = lora_slots ? *lora_slots : torch::Tensor();
     torch::Tensor d;  // the residual the next norm adds (none before the first layer)
     for (auto& l : layers_) {
       const auto x = d.defined() ? add_rms_norm_(h, d, l.attn_norm, l.attn_eps) : rms_norm(h, l.attn_norm, l.attn_eps);
@@ -213,6 +166,6 @@ void bind_decoder_plan(py::module& m) {
       .def("run", &DecoderPlan::run, "(h, delta) through every layer", py::arg("h"), py::arg("cos"), py::arg("sin"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start"), py::arg("context_lens"),
            py::arg("block_size"), py::arg("dense_min_rows"), py::arg("dense_tile_rows"), py::arg("lora_slots"),
-           py::arg("lora_invariant"), py::call_guard<py::gil_scoped_release>())
+           py::call_guard<py::gil_scoped_release>())
       .def("__len__", &DecoderPlan::size);
 }

@@ -443,4 +443,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wkv7_step", &wkv7_step, "RWKV-7's WKV update over a few tokens of each sequence, from slot src to slots dst",
         py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("r"), py::arg("w"), py::arg("k"), py::arg("v"),
         py::arg("a"), py::arg("b"));
+  m.def("lora_add_", &lora_add_, "y[t] += B_s A_s x[t] for each row's LoRA adapter slot s (0: none)", py::arg("y"),
+        py::arg("x"), py::arg("a"), py::arg("b_t"), py::arg("slots"), py::arg("width"));
 }

@@ -41,3 +41,7 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
                             const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
                             const c10::optional<torch::Tensor>& k_offset,
                             const c10::optional<torch::Tensor>& v_offset);
+
+// lora_ops.cpp
+void lora_add_(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b_t,
+               const torch::Tensor& slots, int64_t width);

@@ -78,7 +78,7 @@ class Linear(nn.Module):
         """In the weights' dtype (the residual stream between layers is float32 on every path)."""
         rows = self.lora_rows
         if rows is not None and rows.slots is not None and self.lora is not None:
-            return add_lora(self._base(x), x, self.lora, rows, self.batch_invariant)
+            return add_lora(self._base(x), x, self.lora, rows)
         return self._base(x)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ class QuantLinear(DirectModule):
                     y = torch.cat([_qmatmul(x2[:split], self.blocks, self.qtypes), y])
         rows = self.lora_rows
         if rows is not None and rows.slots is not None and self.lora is not None:
-            y = add_lora(y, x2, self.lora, rows, self.batch_invariant)
+            y = add_lora(y, x2, self.lora, rows)
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], -1)
         return y if self._bias is None else y + self._bias

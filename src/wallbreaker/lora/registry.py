@@ -108,7 +108,7 @@ class LoRARegistry:
             if w is not None:
                 cols = slice((loaded.slot - 1) * w.width, loaded.slot * w.width)
                 w.a[cols] = 0
-                w.b[:, cols] = 0
+                w.b_t[cols] = 0
 
     def _write(self, target: "_Target", slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """One segment's A and scaled B into its place in `slot`'s columns of its layer."""
@@ -116,12 +116,12 @@ class LoRARegistry:
         if module.lora is None:  # the first adapter to target this layer: room for every slot
             width = target.segments * self.max_lora_rank
             module.lora = LoRAWeights(torch.zeros(self.max_loras * width, _in_features(module)),
-                                      torch.zeros(_out_features(module), self.max_loras * width), width)
+                                      torch.zeros(self.max_loras * width, _out_features(module)), width)
             self.model.decoder_plan.reset()  # the C++ stack holds each layer's LoRA weights
         w = module.lora
         start = (slot - 1) * w.width + target.segment * self.max_lora_rank
         w.a[start:start + a.shape[0]] = a
-        w.b[target.first:target.first + target.rows, start:start + a.shape[0]] = b
+        w.b_t[start:start + a.shape[0], target.first:target.first + target.rows] = b.T
 
     def _free_slot(self) -> int:
         """A slot no adapter holds, else the least recently used idle adapter's, evicted."""

@@ -50,7 +50,7 @@ class DecoderStackPlan:
         dense_min_rows = qk.DENSE_MIN_ROWS if self.dense and qk.dense_path() else 0
         return plan.run(h, [c for c, _ in cos_sin], [s for _, s in cos_sin], meta.slot_mapping,
                         meta.block_tables, meta.query_start, meta.context_lens, meta.block_size, dense_min_rows,
-                        qk.DENSE_TILE_ROWS, lora_slots, not self.dense)
+                        qk.DENSE_TILE_ROWS, lora_slots)
 
     def _current(self) -> _C.DecoderPlan | None:
         kv = [layer.attn.kv for layer in self.layers]

@@ -127,7 +127,7 @@ def block_spec(attn_norm: nn.Module, attn: nn.Module, mlp_norm: nn.Module, mlp: 
     def norm(n: nn.Module | None) -> tuple[torch.Tensor, float] | None:
         return None if n is None else (n.weight, n.eps)
     def lora(m: QuantLinear) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        return None if m.lora is None else (m.lora.a, m.lora.b, m.lora.width)
+        return None if m.lora is None else (m.lora.a, m.lora.b_t, m.lora.width)
     return {**{name: (m.blocks, m.qtypes, m._bias, lora(m)) for name, m in linears.items()},
             "attn_norm": norm(attn_norm), "mlp_norm": norm(mlp_norm), "post_attn_norm": norm(post_attn_norm),
             "post_mlp_norm": norm(post_mlp_norm), "q_norm": norm(attn.q_norm), "k_norm": norm(attn.k_norm),
