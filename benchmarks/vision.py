@@ -1,16 +1,21 @@
 """Images in beside llama.cpp's `llama-mtmd-cli` (issue 50, item 6): the image's encode time and the
 time to first token of a one-image prompt, on the same GGUF and mmproj pair of a real model's shape
-with random weights (SmolVLM-256M's by default), and the time to first token of the same image in a
-second conversation (the prefix and encoder caches' hits: issue 50, item 3, at most half the cold one).
+with random weights (`--shape`: SmolVLM-256M's or Gemma-3-4B's), and the time to first token of the
+same image in a second conversation (the prefix and encoder caches' hits: issue 50, item 3, at most
+half the cold one).
 
-The model: transformers builds SmolVLM-256M-Instruct's shape (tests/tiny_smolvlm.py `SMOLVLM_256M`,
-random weights, SmolLM2's tokenizer with SmolVLM's added tokens) as a Hugging Face folder, and
-llama.cpp's own converter writes the pair (text Q8_0, mmproj F16), so both engines read the very files a
-user would have converted. Everything is written outside the repository (`--dir`). Each side runs in
-fresh processes, A/B/A (ours, llama.cpp, ours) per round; the photograph is scikit-image's astronaut
-(512x512, so SmolVLM splits it into one tile plus the global image: 2 x 64 image tokens).
+The model: transformers builds the real model's shape (tests/tiny_smolvlm.py `SMOLVLM_256M`,
+tests/tiny_vision.py `GEMMA3_4B`; random weights, SmolLM2's tokenizer with the family's added tokens,
+so Gemma's 262k vocabulary is SmolLM2's 49k here) as a Hugging Face folder, and llama.cpp's own
+converter writes the pair (text Q8_0, mmproj F16), so both engines read the very files a user would
+have converted. Everything is written outside the repository (`--dir`; the Gemma-3-4B shape takes
+some 20 GB there while it is made, 8 GB after). Each side runs in fresh processes, A/B/A (ours,
+llama.cpp, ours) per round; the photograph is scikit-image's astronaut (512x512: SmolVLM resizes it
+to its longest edge of 2048 and splits it into 4 x 4 tiles plus the global image; Gemma 3 scales it
+to 896x896, 256 image tokens).
 
     python benchmarks/vision.py --dir ~/vision-models --llama-cpp-dir ~/llama.cpp/build/bin
+    python benchmarks/vision.py --dir ~/vision-models --shape gemma3-4b --rounds 1 --llama-cpp-dir ...
     python benchmarks/vision.py --dir /tmp/v --rounds 1 --json /tmp/v.json      # no llama.cpp: ours only
 
 llama-mtmd-cli comes from the llama-cpp-python sdist's vendored llama.cpp (`cmake -B build
@@ -53,19 +58,26 @@ print(json.dumps(rows))
 """ % (PROMPTS,)
 
 
-def build_pair(out: Path) -> tuple[Path, Path]:
-    """The random-weight SmolVLM-256M-shape folder and llama.cpp's converter's pair of it (Q8_0 text,
-    F16 mmproj), made once in `out`."""
+SHAPES = {"smolvlm-256m": "SmolVLM-256M", "gemma3-4b": "Gemma-3-4B"}
+
+
+def build_pair(shape: str, out: Path) -> tuple[Path, Path]:
+    """The random-weight folder of `shape` and llama.cpp's converter's pair of it (Q8_0 text, F16
+    mmproj), made once in `out`."""
     from llamacpp_converter import convert, fetch
-    from tiny_smolvlm import SMOLVLM_256M, make_tiny_smolvlm
 
     from wallbreaker.formats.packaged import cache_dir
     folder = out / "hf"
     if not (folder / "config.json").is_file():
-        make_tiny_smolvlm(folder, shape=SMOLVLM_256M)
+        if shape == "gemma3-4b":
+            from tiny_vision import GEMMA3_4B, make_tiny_gemma3_vision
+            make_tiny_gemma3_vision(folder, convertible=True, shape=GEMMA3_4B)
+        else:
+            from tiny_smolvlm import SMOLVLM_256M, make_tiny_smolvlm
+            make_tiny_smolvlm(folder, shape=SMOLVLM_256M)
     converter = fetch(cache_dir())
-    return (convert(converter, folder, "q8_0", out / "smolvlm-256m-q8_0.gguf"),
-            convert(converter, folder, "f16", out / "mmproj-smolvlm-256m-f16.gguf", ("--mmproj",)))
+    return (convert(converter, folder, "q8_0", out / f"{shape}-q8_0.gguf"),
+            convert(converter, folder, "f16", out / f"mmproj-{shape}-f16.gguf", ("--mmproj",)))
 
 
 def photograph(out: Path) -> Path:
@@ -111,6 +123,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", type=Path, required=True, help="where the model and its GGUF pair are made (outside the repo)")
     p.add_argument("--llama-cpp-dir", default=None, help="folder with llama-mtmd-cli (else $LLAMA_CPP_DIR, PATH)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smolvlm-256m")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="A/B/A rounds (ours, llama.cpp, ours)")
     p.add_argument("--json", type=Path, default=None)
@@ -119,7 +132,7 @@ def main() -> None:
     from wallbreaker.measure.baselines.llama_cpp import find_tool
     from wallbreaker.measure.machine import describe_machine, machine_facts
     args.dir.mkdir(parents=True, exist_ok=True)
-    text, mmproj = build_pair(args.dir / "smolvlm-256m")
+    text, mmproj = build_pair(args.shape, args.dir / args.shape)
     image = photograph(args.dir)
     tool = find_tool("llama-mtmd-cli", args.llama_cpp_dir)
     facts = machine_facts(args.threads)
@@ -151,9 +164,9 @@ def main() -> None:
         summary["ttft_speedup"] = summary["llama_cpp_ttft_s"] / summary["ours_ttft_s"]
         summary["encode_speedup"] = summary["llama_cpp_image_encode_s"] / summary["ours_image_encode_s"]
     print(json.dumps(summary))
-    out = args.json or RESULTS / "vision_smolvlm-256m.json"
-    out.write_text(json.dumps({"machine": facts, "command": facts["command"], "model": "SmolVLM-256M shape, random "
-                               "weights, text Q8_0 + mmproj F16 (llama.cpp's converter)", "image": "skimage astronaut "
+    out = args.json or RESULTS / f"vision_{args.shape}.json"
+    out.write_text(json.dumps({"machine": facts, "command": facts["command"], "model": f"{SHAPES[args.shape]} shape, "
+                               "random weights, text Q8_0 + mmproj F16 (llama.cpp's converter)", "image": "skimage astronaut "
                                "512x512", "summary": summary, "runs": runs}, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -12,6 +12,7 @@ the window and the image's bidirectional block both bind).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +23,29 @@ from tiny_models import _CORPUS, SPLIT_REGEXES
 SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
            "<end_of_image>", "<image_soft_token>")
 IMAGE_SIZE, PATCH, TOKENS_PER_IMAGE = 64, 8, 16
+
+
+@dataclass(frozen=True)
+class Gemma3Shape:
+    """The sizes of a Gemma 3 vision model: the tiny one the tests use by default; `GEMMA3_4B` is
+    google/gemma-3-4b-it's (for benchmarks/vision.py, with random weights, SmolLM2's vocabulary)."""
+
+    text: dict = field(default_factory=lambda: dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                    num_key_value_heads=2, head_dim=16, sliding_window=12))
+    layers: int = 0  # 0: the tests' own pattern (6 when convertible); else this many, every sixth global
+    vision: dict = field(default_factory=lambda: dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                      num_attention_heads=2))
+    image_size: int = IMAGE_SIZE
+    patch: int = PATCH
+    tokens_per_image: int = TOKENS_PER_IMAGE
+    tiny: bool = True  # False: bfloat16 weights at transformers' initialization, as a large model is built
+
+
+GEMMA3_4B = Gemma3Shape(
+    text=dict(hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+              sliding_window=1024),
+    layers=34, vision=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16),
+    image_size=896, patch=14, tokens_per_image=256, tiny=False)
 
 # Gemma 3's chat template (google/gemma-3-4b-it): an image part becomes <start_of_image>, which the
 # processor expands.
@@ -94,10 +118,12 @@ def _smollm2_with_gemma_tokens() -> Tokenizer:
     return tok
 
 
-def make_tiny_gemma3_vision(out: Path, seed: int = 0, *, convertible: bool = False) -> Path:
+def make_tiny_gemma3_vision(out: Path, seed: int = 0, *, convertible: bool = False,
+                            shape: Gemma3Shape = Gemma3Shape()) -> Path:
     """The folder of a tiny Gemma 3 vision model under `out`; returns it. `convertible`: with SmolLM2's
     tokenizer (plus Gemma's special tokens) and the tensor names of Google's releases
-    (`language_model.model.*`, `vision_tower.vision_model.*`), as llama.cpp's converter reads them."""
+    (`language_model.model.*`, `vision_tower.vision_model.*`), as llama.cpp's converter reads them.
+    `shape`: its sizes."""
     import transformers as tf
     from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
 
@@ -107,40 +133,55 @@ def make_tiny_gemma3_vision(out: Path, seed: int = 0, *, convertible: bool = Fal
     ids = {t: tok.token_to_id(t) for t in SPECIAL}
     # llama.cpp's Gemma 3 has no keys for the layer pattern, the local RoPE base or the attention scale:
     # it takes every sixth layer as global, 10000 and 1/sqrt(head_dim); a convertible model keeps to them
-    layers = ["sliding_attention"] * 5 + ["full_attention"] if convertible else \
-        ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    if shape.layers:
+        layers = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(shape.layers)]
+    elif convertible:
+        layers = ["sliding_attention"] * 5 + ["full_attention"]
+    else:
+        layers = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    head_dim = shape.text["head_dim"]
     text = tf.Gemma3TextConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=len(layers),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+        vocab_size=tok.get_vocab_size(), **shape.text, num_hidden_layers=len(layers),
+        max_position_embeddings=512 if shape.tiny else 131072, rms_norm_eps=1e-6,
         rope_theta=1e6, rope_local_base_freq=10000.0 if convertible else 20000.0,
-        query_pre_attn_scalar=16 if convertible else 32, sliding_window=12, layer_types=layers,
-        hidden_activation="gelu_pytorch_tanh", initializer_range=0.08, bos_token_id=ids["<bos>"],
-        eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"])
-    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                   image_size=IMAGE_SIZE, patch_size=PATCH, layer_norm_eps=1e-6,
-                                   vision_use_head=False)
-    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE,
+        query_pre_attn_scalar=head_dim if convertible else 2 * head_dim, layer_types=layers,
+        hidden_activation="gelu_pytorch_tanh", initializer_range=0.08 if shape.tiny else 0.02,
+        bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"])
+    vision = tf.SiglipVisionConfig(**shape.vision, image_size=shape.image_size, patch_size=shape.patch,
+                                   layer_norm_eps=1e-6, vision_use_head=False)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=shape.tokens_per_image,
                              boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
-                             image_token_index=ids["<image_soft_token>"], initializer_range=0.08)
+                             image_token_index=ids["<image_soft_token>"],
+                             initializer_range=0.08 if shape.tiny else 0.02)
     torch.manual_seed(seed)
-    model = tf.Gemma3ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():  # weights large enough for peaked logits, norms off their neutral values
-        for name, p in model.named_parameters():
-            if name.endswith("language_model.norm.weight"):
-                p.copy_(1.5 + 0.2 * torch.randn_like(p))
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_((1.0 if "vision_tower" in name else 0.0) + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0.0, 0.1)
-            elif "vision_tower" in name and p.dim() >= 2:
-                p.normal_(0.0, 0.15)
-            elif name.endswith("mm_input_projection_weight"):
-                p.normal_(0.0, 0.3)
-            elif p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(out)
+    if not shape.tiny:  # billions of weights: bfloat16 from the start, transformers' own initialization
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = tf.Gemma3ForConditionalGeneration(config).eval()
+        finally:
+            torch.set_default_dtype(previous)
+    else:
+        model = tf.Gemma3ForConditionalGeneration(config).float().eval()
+    if shape.tiny:  # weights large enough for peaked logits, norms off their neutral values
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("language_model.norm.weight"):
+                    p.copy_(1.5 + 0.2 * torch.randn_like(p))
+                elif "norm" in name and name.endswith("weight"):
+                    p.copy_((1.0 if "vision_tower" in name else 0.0) + 0.2 * torch.randn_like(p))
+                elif name.endswith("bias"):
+                    p.normal_(0.0, 0.1)
+                elif name.endswith("embed_tokens.weight"):
+                    p.normal_(0.0, 0.1)
+                elif "vision_tower" in name and p.dim() >= 2:
+                    p.normal_(0.0, 0.15)
+                elif name.endswith("mm_input_projection_weight"):
+                    p.normal_(0.0, 0.3)
+                elif p.dim() >= 2:
+                    p.normal_(0.0, 0.08)
+    model.save_pretrained(out, max_shard_size="64GB")
+    del model
     if convertible:
         from safetensors.torch import load_file, save_file
         tensors = load_file(out / "model.safetensors")
@@ -152,10 +193,10 @@ def make_tiny_gemma3_vision(out: Path, seed: int = 0, *, convertible: bool = Fal
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
     fast.chat_template = GEMMA3_CHAT_TEMPLATE
-    images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, image_mean=[0.5] * 3,
+    images = Gemma3ImageProcessorPil(size={"height": shape.image_size, "width": shape.image_size}, image_mean=[0.5] * 3,
                                      image_std=[0.5] * 3, rescale_factor=1 / 255, resample=2)
     processor = Gemma3Processor(image_processor=images, tokenizer=fast, chat_template=GEMMA3_CHAT_TEMPLATE,
-                                image_seq_length=TOKENS_PER_IMAGE)
+                                image_seq_length=shape.tokens_per_image)
     processor.save_pretrained(out)
     tc = json.loads((out / "tokenizer_config.json").read_text())
     tc.setdefault("add_bos_token", True)
