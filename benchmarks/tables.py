@@ -98,7 +98,7 @@ def latest_benches(files: dict) -> tuple[list[str], list[str]]:
     latest: dict[tuple, str] = {}
     for name in sorted(benches, key=lambda n: benches[n]["time"]):
         latest[bench_key(benches[name])] = name
-    kept = sorted(latest.values(), key=lambda n: (benches[n]["model"], bench_key(benches[n])[1:3], n))
+    kept = sorted(latest.values(), key=lambda n: (benches[n]["model"], [v or "" for v in bench_key(benches[n])[1:3]], n))
     return kept, sorted(set(benches) - set(kept))
 
 
@@ -396,6 +396,20 @@ def lora_batch(files: dict) -> list[str]:
     return out
 
 
+def ab_checkouts(files: dict) -> list[str]:
+    """One line per file: two checkouts' `wallbreaker bench` medians on one host and B / A."""
+    labels = {"prefill_tps": "prefill", "decode_tps": "decode", "decode_tps@16": "16 sequences"}
+    out = []
+    for name in sorted(n for n in files if n.startswith("ab_checkouts_")):
+        d = files[name]
+        med, r = d["median"], d["ratio_b_over_a"]
+        parts = ", ".join(f"{labels.get(m, m)} {num(med['A'][m])} / {num(med['B'][m])} ({r[m]:.2f})" for m in r)
+        out.append(f"{link(name)}: {d['model']}, kernels {d['isa']}, A {d['commits']['A']} / B {d['commits']['B']} "
+                   f"(A/B/A, {len(d['runs']['B'])} rounds), tokens/s A / B (B / A): {parts}; {host(machine_of(d))}; "
+                   f"{command_of(d)}.")
+    return out
+
+
 def vision(files: dict) -> list[str]:
     """One line per file: an image's encode time and time to first token beside llama-mtmd-cli."""
     out = []
@@ -524,7 +538,7 @@ def agent_turns(files: dict) -> list[str]:
 
 GENERATORS = {
     "headline": headline, "speed": speed, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
-    "recurrent_step": recurrent_step, "lora_batch": lora_batch, "vision": vision, "arm_mca": arm_mca, "arm_engine": arm_engine, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
+    "recurrent_step": recurrent_step, "lora_batch": lora_batch, "vision": vision, "arm_mca": arm_mca, "arm_engine": arm_engine, "ab_checkouts": ab_checkouts, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,
     "embeddings": embeddings, "agent_turns": agent_turns,
