@@ -392,7 +392,7 @@ def lora_batch(files: dict) -> list[str]:
                    f"on {d['model']} ({d['dtype']}), {d['decode_tokens']} tokens: {num(med['adapters'])} against "
                    f"{num(med['base'])} decode tokens/s without adapters = {d['throughput_ratio']:.2f} (goal "
                    f"{d['goal_ratio']:.2f}; A/B/A, {len(d['runs']['adapters'])} rounds); {host(machine_of(d))}; "
-                   f"{commit_of(d)}; `{command_of(d)}`.")
+                   f"{commit_of(d)}; {command_of(d)}.")
     return out
 
 
@@ -421,7 +421,7 @@ def vision(files: dict) -> list[str]:
         out.append(f"Images ({link(name)}): {d['model']}, {d['image']}: encode / first token, medians, ours "
                    f"{num(s['ours_image_encode_s'], 2)} s / {num(s['ours_ttft_s'], 2)} s{theirs}; the same image in a "
                    f"second conversation {num(s['ours_warm_ttft_s'], 2)} s ({s['warm_over_cold']:.2f} of the first); "
-                   f"{host(machine_of(d))}; {commit_of(d)}; `{command_of(d)}`.")
+                   f"{host(machine_of(d))}; {commit_of(d)}; {command_of(d)}.")
     return out
 
 
