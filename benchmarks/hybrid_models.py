@@ -64,7 +64,19 @@ def granite_4_h_1b():
         pad_token_id=100256)
 
 
-SHAPES = {"lfm2-350m": lfm2_350m, "granite-4.0-h-1b": granite_4_h_1b}  # name -> the real model's config
+def mamba_1_4b():
+    """state-spaces/mamba-1.4b-hf's shape (issue 51 item 5): 48 Mamba (v1) layers of width 2048, inner
+    4096, state 16, 4 taps, dt rank 128; vocabulary 50280 (GPT-NeoX's), tied. From the published
+    config's values as transformers' MambaConfig names them."""
+    from transformers import MambaConfig
+    return MambaConfig(vocab_size=50280, hidden_size=2048, state_size=16, num_hidden_layers=48, expand=2,
+                       conv_kernel=4, time_step_rank=128, use_bias=False, use_conv_bias=True,
+                       layer_norm_epsilon=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+                       pad_token_id=0)
+
+
+# name -> the real model's config
+SHAPES = {"lfm2-350m": lfm2_350m, "granite-4.0-h-1b": granite_4_h_1b, "mamba-1.4b": mamba_1_4b}
 
 
 def build(name: str, out_dir: Path, outtype: str = "q8_0") -> Path:
