@@ -437,6 +437,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv_step", &conv_step, "a causal depthwise convolution over a few tokens of each sequence, its state read "
         "from slot src and the state after each token written to slot dst", py::arg("pool"), py::arg("src"),
         py::arg("dst"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("silu"));
+  m.def("ssm1_step", &ssm1_step, "Mamba (v1)'s SSM update over a few tokens of each sequence, from slot src to slots dst",
+        py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("x"), py::arg("dt"), py::arg("B"), py::arg("C"),
+        py::arg("A"));
   m.def("delta_step", &delta_step, "the gated delta rule's one-token update, from slot src to slot dst",
         py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
         py::arg("beta"));

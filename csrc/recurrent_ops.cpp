@@ -188,6 +188,84 @@ torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst,
   return y;
 }
 
+// Mamba (v1), per channel d: state[d, n] <- state[d, n] exp(dt[d] A[d, n]) + dt[d] x[d] B[n];
+// y[d] = sum_n state[d, n] C[n] (the D skip and the gate are the caller's). Its decay is per state
+// element, so each row takes its own exp of 16 lanes (vec_math.h's), where Mamba2 has one a head.
+namespace {
+
+#define WB_SSM1_ROW(name, target)                                                                      \
+  target float name(const float* in, float* out, const float* a, const float* b, const float* c, float dt, \
+                    float xdt, int64_t n_state) {                                                      \
+    Lanes16 part = {};                                                                                 \
+    int64_t n = 0;                                                                                     \
+    for (; n + kLanes <= n_state; n += kLanes) {                                                       \
+      Lanes16 iv, av, bv, cv;                                                                          \
+      memcpy(&iv, in + n, sizeof iv);                                                                  \
+      memcpy(&av, a + n, sizeof av);                                                                   \
+      memcpy(&bv, b + n, sizeof bv);                                                                   \
+      memcpy(&cv, c + n, sizeof cv);                                                                   \
+      const Lanes16 st = iv * exp_poly<Lanes16, Ints16>(av * dt) + xdt * bv;                           \
+      memcpy(out + n, &st, sizeof st);                                                                 \
+      part += st * cv;                                                                                 \
+    }                                                                                                  \
+    float lanes[kLanes];                                                                               \
+    memcpy(lanes, &part, sizeof lanes);                                                                \
+    for (int l = 0; n < n_state; ++n, ++l) {                                                           \
+      const float st = in[n] * exp_poly<float, int32_t>(a[n] * dt) + xdt * b[n];                       \
+      out[n] = st;                                                                                     \
+      lanes[l] += st * c[n];                                                                           \
+    }                                                                                                  \
+    float sum = 0.f;                                                                                   \
+    for (int l = 0; l < kLanes; ++l) sum += lanes[l];                                                  \
+    return sum;                                                                                        \
+  }
+WB_VARIANTS(WB_SSM1_ROW, ssm1_row)
+
+constexpr int64_t kSsm1Channels = 64;  // channels a task: its running states stay in a thread's cache
+
+}  // namespace
+
+torch::Tensor ssm1_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x,
+                        torch::Tensor dt, torch::Tensor B, torch::Tensor C, torch::Tensor A) {
+  const int64_t batch = x.size(0), steps = x.size(1);
+  TORCH_CHECK(pool.dim() == 3, "ssm1_step: the pool must be [slots, channels, d_state]");
+  const int64_t channels = pool.size(1), d_state = pool.size(2);
+  check_pool(pool.unsqueeze(1), src, dst, batch, steps, "ssm1_step");
+  check_f32(x, {batch, steps, channels}, "x");
+  check_f32(dt, {batch, steps, channels}, "dt");
+  check_f32(B, {batch, steps, d_state}, "B");
+  check_f32(C, {batch, steps, d_state}, "C");
+  check_f32(A, {channels, d_state}, "A");
+  auto y = torch::empty_like(x);
+  float* pool_p = pool.data_ptr<float>();
+  const float *x_p = x.data_ptr<float>(), *dt_p = dt.data_ptr<float>(), *B_p = B.data_ptr<float>();
+  const float *C_p = C.data_ptr<float>(), *A_p = A.data_ptr<float>();
+  const int64_t *src_p = src.data_ptr<int64_t>(), *dst_p = dst.data_ptr<int64_t>();
+  float* y_p = y.data_ptr<float>();
+  const int64_t blocks = (channels + kSsm1Channels - 1) / kSsm1Channels, state_size = channels * d_state;
+  const auto row = ssm1_row_for_level();
+  at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> state(kSsm1Channels * d_state);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / blocks, d0 = i % blocks * kSsm1Channels, d1 = std::min(channels, d0 + kSsm1Channels);
+      const float* in = pool_p + src_p[b] * state_size + d0 * d_state;
+      for (int64_t t = 0; t < steps; ++t) {
+        const int64_t bt = b * steps + t, slot = dst_p[bt];
+        const float *bv = B_p + bt * d_state, *cv = C_p + bt * d_state;
+        for (int64_t d = d0; d < d1; ++d) {
+          const float dtv = dt_p[bt * channels + d];
+          float* out = state.data() + (d - d0) * d_state;
+          y_p[bt * channels + d] = row(t == 0 ? in + (d - d0) * d_state : out, out, A_p + d * d_state, bv, cv, dtv,
+                                       dtv * x_p[bt * channels + d], d_state);
+        }
+        if (slot >= 0) store_state(pool_p + slot * state_size + d0 * d_state, state.data(), (d1 - d0) * d_state);
+      }
+    }
+    store_fence();
+  });
+  return y;
+}
+
 // The gated delta rule (Qwen3-Next), state [heads, k_dim, v_dim]: S <- S exp(g);
 // delta = (v - S^T k) beta; S <- S + k delta^T; o = S^T q. q and k come normalized and scaled.
 torch::Tensor delta_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor q,

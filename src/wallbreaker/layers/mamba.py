@@ -12,7 +12,9 @@ the hidden size (transformers' MambaMixer, its torch path).
 
 Two states per sequence, float32: the last K - 1 conv inputs [K - 1, intermediate] and S
 [intermediate, d_state], each run through `scan_spans` on its own (the convolution's output feeds a
-projection between the two). The selective scan is in PyTorch, token by token.
+projection between the two). Decode and verification steps run both on the pool itself in C++
+(`_C.conv_step`, `_C.ssm1_step`: no gather or scatter of the states, the exp and the update on
+whole vectors); a prompt's scan is in PyTorch, token by token.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _C
 from ..config import ModelConfig
 from .attention import AttentionMetadata
 from .recurrent import RecurrentMixer, scan_spans
@@ -40,6 +43,8 @@ class MambaWeights:
 
 
 class MambaMixer(RecurrentMixer):
+    in_pool = True  # short spans through the `*_in_pool` forms (C++); False: the torch forms they are tested against
+
     def __init__(self, cfg: ModelConfig, in_proj: nn.Module, x_proj: nn.Module, out_proj: nn.Module, w: MambaWeights):
         """`in_proj`: hidden -> x | z (intermediate each); `x_proj`: intermediate -> rank | B | C;
         `out_proj`: intermediate -> hidden."""
@@ -60,12 +65,15 @@ class MambaMixer(RecurrentMixer):
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, z = self.in_proj(h).float().chunk(2, dim=-1)  # [T, intermediate] each
         conv, ssm = self.state
-        x = scan_spans(meta.state, [conv], (x,), self.conv_step, self.conv_chunk)  # after SiLU
+        pooled = self.in_pool
+        x = scan_spans(meta.state, [conv], (x,), self.conv_step, self.conv_chunk,
+                       self.conv_in_pool if pooled else None)  # after SiLU
         r, b, c = self.x_proj(x).float().split([self.rank, self.state_size, self.state_size], dim=-1)
         if self.bc_eps is not None:
             r, b, c = (F.rms_norm(t, (t.shape[-1],), eps=self.bc_eps) for t in (r, b, c))
         dt = F.softplus(F.linear(r, self.dt_weight, self.dt_bias))  # [T, intermediate]
-        y = scan_spans(meta.state, [ssm], (x, dt, b, c), self.ssm_step, self.ssm_chunk)  # [T, intermediate]
+        y = scan_spans(meta.state, [ssm], (x, dt, b, c), self.ssm_step, self.ssm_chunk,
+                       self.ssm_in_pool if pooled else None)  # [T, intermediate]
         return self.out_proj((y + x * self.D) * F.silu(z))
 
     def conv_step(self, inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -89,6 +97,17 @@ class MambaMixer(RecurrentMixer):
         (s,) = states
         s = s * torch.exp(dt[..., None] * self.A) + (dt * x)[..., None] * b[:, None, :]
         return (s @ c[..., None])[..., 0], [s]
+
+    def conv_in_pool(self, inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """T tokens of each of B sequences on the pool: x [B, T, intermediate]; states from slots `src`
+        [B], the state after token t to slot dst[b, t] where that is not -1. After SiLU."""
+        (x,) = inputs
+        return _C.conv_step(self.state[0], src, dst, x.contiguous(), self.conv_weight, self.conv_bias, True)
+
+    def ssm_in_pool(self, inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """As `conv_in_pool`, for the selective scan: x, dt [B, T, intermediate], b, c [B, T, d_state]."""
+        x, dt, b, c = (t.contiguous() for t in inputs)
+        return _C.ssm1_step(self.state[1], src, dst, x, dt, b, c, self.A)
 
     def ssm_chunk(self, inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """L tokens of one sequence, one after the other (inputs [L, ...], S [1, intermediate, d_state])."""
