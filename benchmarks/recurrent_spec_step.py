@@ -7,7 +7,7 @@ sampler). Issue 34 asks for at most 1.3x at K = 4.
 
     python benchmarks/recurrent_spec_step.py MODEL.gguf [--drafts 4] [--rounds 30]
 
-Writes benchmarks/results/recurrent_spec_step.json (one entry per model, the latest run kept) and
+Writes benchmarks/results/recurrent_spec_step.json (one entry per model and host, the latest run kept) and
 redraws recurrent_spec_step.png from all of them.
 """
 from __future__ import annotations
@@ -84,7 +84,8 @@ def main() -> None:
           f"{args.drafts} drafts {result['verify_step_ms_median']:.2f} ms: {result['ratio']:.2f}x")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     runs = json.loads(args.json.read_text()) if args.json.is_file() else []
-    runs = [r for r in runs if r.get("model") != args.model] + [result]
+    host = machine.get("cpu_id")  # one entry per model and host, the latest
+    runs = [r for r in runs if (r.get("model"), r["machine"].get("cpu_id")) != (args.model, host)] + [result]
     args.json.write_text(json.dumps(runs, indent=2))
     plot(runs, args.json.with_suffix(".png"))
 

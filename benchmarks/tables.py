@@ -426,13 +426,17 @@ def vision(files: dict) -> list[str]:
 
 
 def recurrent_step(files: dict) -> list[str]:
-    name = "recurrent_spec_step.json"
-    lines = ["| model | drafts | plain step ms | verifying step ms | ratio | rounds | host | commit |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in files[name]:
-        lines.append(f"| {Path(r['model']).name} | {r['drafts']} | {r['plain_step_ms_median']:.2f} | {r['verify_step_ms_median']:.2f} | "
-                     f"{r['ratio']:.2f}x | {r['rounds']} | {host(r['machine'])} | {commit_of(r)} |")
-    return lines + ["", f"File: {link(name)} (`python benchmarks/recurrent_spec_step.py MODEL.gguf --drafts 4`)."]
+    """The latest run per model and host, then runs of earlier trees kept beside them
+    (`recurrent_spec_step_<commit>.json`, written with `--json`)."""
+    names = ["recurrent_spec_step.json"] + sorted(n for n in files if n.startswith("recurrent_spec_step_"))
+    lines = ["| model | drafts | plain step ms | verifying step ms | ratio | rounds | host | commit | command | file |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in names:
+        for r in files[name]:
+            lines.append(f"| {Path(r['model']).name} | {r['drafts']} | {r['plain_step_ms_median']:.2f} | "
+                         f"{r['verify_step_ms_median']:.2f} | {r['ratio']:.2f}x | {r['rounds']} | {host(r['machine'])} | "
+                         f"{commit_of(r)} | {command_of(r, 'benchmarks/recurrent_spec_step.py MODEL.gguf')} | {link(name)} |")
+    return lines
 
 
 def roofline(files: dict) -> list[str]:

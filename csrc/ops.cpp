@@ -433,7 +433,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_offset") = py::none(), py::arg("v_offset") = py::none());
   m.def("ssm_step", &ssm_step, "Mamba2's one-token SSM update, state read from slot src and written to slot dst",
         py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("x"), py::arg("B"), py::arg("C"), py::arg("dt"),
-        py::arg("A"), py::arg("D"));
+        py::arg("A"), py::arg("D"), py::arg("logged") = py::none());
   m.def("conv_step", &conv_step, "a causal depthwise convolution over a few tokens of each sequence, its state read "
         "from slot src and the state after each token written to slot dst", py::arg("pool"), py::arg("src"),
         py::arg("dst"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("silu"));

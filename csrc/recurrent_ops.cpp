@@ -3,8 +3,9 @@
 // PyTorch would make. Per (sequence, head) the work is a few multiply-adds per state element, so
 // a step is bound by reading and writing the states once its loops run on whole vectors: the
 // running state stays in a thread's buffer from token to token, and each state kept is streamed
-// to its slot. A verification of 4 drafts writes five states a sequence where a decode step
-// writes one (Granite-4.0-H-1B's shape: 55 MB a state). float32 throughout, as the pool is.
+// to its slot. A verification of 4 drafts keeps five states a sequence where a decode step keeps
+// one (Granite-4.0-H-1B's shape: 55 MB a state); Mamba2's logs four of them (SsmLog below).
+// float32 throughout, as the pool is.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -144,10 +145,60 @@ inline void store_fence() {
 // token t where dst[b, t] >= 0 (the states a step keeps: layers/recurrent.py). The first token
 // reads slot src[b]; no slot it reads is written.
 
+namespace {
+
+// A logged Mamba2 state (docs/recurrent.md, "speculative decoding"): where a verification keeps the
+// state after a draft, it writes the inputs of the drafts up to it (x and dt of each head, B of each
+// group) into the slot's own room, not the state (8192 floats a head at Granite-4.0-H's shape), and
+// the slot's state is the root slot's advanced by them. A verification of 4 drafts then writes one
+// whole state, as a decode step does; the step that reads a logged slot replays its entries (the
+// same `head` call, so the same bits) before its own tokens. A head's room holds, for up to
+// `capacity` entries: x [capacity, head_dim], then (the group's first head only) B [capacity,
+// d_state], then dt [capacity]; whole rows, so that they stream as the states do.
+struct SsmLog {
+  const int64_t* p;  // [batch, 3]: root slot (-1: src holds a whole state), src's entries, first logged t
+  int64_t capacity;
+  int64_t root(int64_t b) const { return p ? p[b * 3] : -1; }
+  int64_t entries(int64_t b) const { return p ? p[b * 3 + 1] : 0; }
+  int64_t from(int64_t b, int64_t steps) const { return p ? p[b * 3 + 2] : steps; }
+  int64_t b_at(int64_t head_dim) const { return capacity * head_dim; }
+  int64_t dt_at(int64_t head_dim, int64_t d_state) const { return capacity * (head_dim + d_state); }
+};
+
+SsmLog check_log(const c10::optional<torch::Tensor>& logged, const torch::Tensor& pool, const torch::Tensor& src,
+                 const torch::Tensor& dst, int64_t batch, int64_t steps) {
+  const int64_t capacity = pool.size(2) * pool.size(3) / (pool.size(2) + pool.size(3) + 1);
+  if (!logged) return {nullptr, capacity};
+  const auto& l = *logged;
+  TORCH_CHECK(l.scalar_type() == torch::kInt64 && l.is_contiguous() && l.sizes() == c10::IntArrayRef({batch, 3}),
+              "ssm_step: logged must be int64 [batch, 3] (root slot, src's entries, first logged token)");
+  const int64_t slots = pool.size(0);
+  const int64_t *lp = l.data_ptr<int64_t>(), *s = src.data_ptr<int64_t>(), *d = dst.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t root = lp[b * 3], entries = lp[b * 3 + 1], from = lp[b * 3 + 2];
+    TORCH_CHECK(root >= -1 && root < slots && root != s[b], "ssm_step: a logged slot's root is out of range");
+    TORCH_CHECK(root < 0 ? entries == 0 : entries > 0 && entries <= capacity,
+                "ssm_step: a logged slot holds 1 to ", capacity, " entries at this shape");
+    TORCH_CHECK(from >= 0 && from <= steps && steps - from <= capacity, "ssm_step: too many logged tokens");
+    bool logs = false;
+    for (int64_t t = 0; t < steps; ++t) {
+      TORCH_CHECK(root < 0 || d[b * steps + t] != root, "ssm_step: a step may not write the root it reads");
+      logs |= t >= from && d[b * steps + t] >= 0;
+    }
+    TORCH_CHECK(!logs || (from > 0 && d[b * steps + from - 1] >= 0),
+                "ssm_step: a logged state needs the state before its first entry saved whole");
+  }
+  return {lp, capacity};
+}
+
+}  // namespace
+
 // Mamba2: state[h, p, n] <- state[h, p, n] * exp(dt[h] A[h]) + dt[h] x[h, p] B[g(h), n];
 // y[h, p] = sum_n state[h, p, n] C[g(h), n] + D[h] x[h, p]. `dt` is after softplus and its limits.
+// `logged`: which slots hold logs (SsmLog above); None: every slot holds a whole state.
 torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x,
-                       torch::Tensor B, torch::Tensor C, torch::Tensor dt, torch::Tensor A, torch::Tensor D) {
+                       torch::Tensor B, torch::Tensor C, torch::Tensor dt, torch::Tensor A, torch::Tensor D,
+                       c10::optional<torch::Tensor> logged) {
   const int64_t batch = x.size(0), steps = x.size(1);
   const int64_t heads = pool.size(1), head_dim = pool.size(2), d_state = pool.size(3);
   check_pool(pool, src, dst, batch, steps, "ssm_step");
@@ -159,6 +210,7 @@ torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst,
   check_f32(dt, {batch, steps, heads}, "dt");
   check_f32(A, {heads}, "A");
   check_f32(D, {heads}, "D");
+  const SsmLog log = check_log(logged, pool, src, dst, batch, steps);
   auto y = torch::empty_like(x);
   float* pool_p = pool.data_ptr<float>();
   const float *x_p = x.data_ptr<float>(), *B_p = B.data_ptr<float>(), *C_p = C.data_ptr<float>();
@@ -166,12 +218,25 @@ torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst,
   const int64_t *src_p = src.data_ptr<int64_t>(), *dst_p = dst.data_ptr<int64_t>();
   float* y_p = y.data_ptr<float>();
   const int64_t per_group = heads / groups, state_size = head_dim * d_state;
+  const int64_t b_at = log.b_at(head_dim), dt_at = log.dt_at(head_dim, d_state);
   const auto head = ssm_head_for_level();
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> state(state_size);  // the running state, token to token, in cache
+    std::vector<float> scratch(d_state + head_dim);  // a replayed entry's C (zeros) and y (not used)
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads, g = h / per_group;
       const float* in = pool_p + (src_p[b] * heads + h) * state_size;
+      if (const int64_t root = log.root(b); root >= 0) {
+        const float* room = in;
+        const float* group_room = pool_p + (src_p[b] * heads + g * per_group) * state_size;
+        in = pool_p + (root * heads + h) * state_size;
+        for (int64_t e = 0; e < log.entries(b); ++e, in = state.data()) {
+          const float dtv = room[dt_at + e];
+          head(in, state.data(), room + e * head_dim, group_room + b_at + e * d_state, scratch.data(), dtv,
+               std::exp(dtv * A_p[h]), 0.f, head_dim, d_state, scratch.data() + d_state);
+        }
+      }
+      const int64_t from = log.from(b, steps);
       for (int64_t t = 0; t < steps; ++t) {
         const int64_t bt = b * steps + t, slot = dst_p[bt];
         const float* bv = B_p + (bt * groups + g) * d_state;
@@ -180,7 +245,18 @@ torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst,
         const float* xs = x_p + (bt * heads + h) * head_dim;
         float* ys = y_p + (bt * heads + h) * head_dim;
         head(t == 0 ? in : state.data(), state.data(), xs, bv, cv, dtv, decay, d, head_dim, d_state, ys);
-        if (slot >= 0) store_state(pool_p + (slot * heads + h) * state_size, state.data(), state_size);
+        if (slot < 0) continue;
+        float* out = pool_p + (slot * heads + h) * state_size;
+        if (t < from) {
+          store_state(out, state.data(), state_size);
+          continue;
+        }
+        for (int64_t u = from; u <= t; ++u) {  // the entries of tokens from..t
+          const int64_t bu = b * steps + u, e = u - from;
+          store_state(out + e * head_dim, x_p + (bu * heads + h) * head_dim, head_dim);
+          if (h % per_group == 0) store_state(out + b_at + e * d_state, B_p + (bu * groups + g) * d_state, d_state);
+          out[dt_at + e] = dt_p[bu * heads + h];
+        }
       }
     }
     store_fence();

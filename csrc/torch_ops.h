@@ -23,7 +23,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 
 // recurrent_ops.cpp
 torch::Tensor ssm_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x, torch::Tensor B,
-                       torch::Tensor C, torch::Tensor dt, torch::Tensor A, torch::Tensor D);
+                       torch::Tensor C, torch::Tensor dt, torch::Tensor A, torch::Tensor D,
+                       c10::optional<torch::Tensor> logged = c10::nullopt);
 torch::Tensor ssm1_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x,
                         torch::Tensor dt, torch::Tensor B, torch::Tensor C, torch::Tensor A);
 torch::Tensor conv_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor x,

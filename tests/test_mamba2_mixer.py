@@ -106,6 +106,23 @@ def test_token_by_token_for_two_sequences_at_once_matches_one_pass(mixers):
         assert torch.allclose(p[7], f[src[0]], rtol=1e-4, atol=1e-6)
 
 
+def test_a_verification_that_logs_its_drafts_goes_on_as_the_reference(mixers):
+    """A 5-token verification whose states after the drafts are logs (saves 2..5 rooted at save 1,
+    as the block manager makes them), then one token from each kept draft's slot: the reference's
+    outputs. The torch path (logs_drafts 0) writes whole states and ignores the logs' fields."""
+    ours, theirs = mixers
+    clear(ours)
+    x = inputs(5, 8)
+    expected = reference_output(theirs, x)
+    run(ours, x[:2], [StateSpan(0, 2, 0, [(2, 1)])])
+    assert ours.logs_drafts >= 4 or not ours.in_pool
+    got = run(ours, x[2:7], [StateSpan(0, 5, 1, [(k, 1 + k) for k in range(1, 6)], log_after=1)])
+    assert_close(got, expected[2:7])
+    for j in range(2, 6):  # the state after the verification's first j tokens: slot 1 + j, logged over slot 2
+        y = run(ours, x[2 + j:3 + j], [StateSpan(0, 1, 1 + j, [(1, 7)], src_root=2, src_entries=j - 1)])
+        assert_close(y, expected[2 + j:3 + j])
+
+
 def test_the_chunk_length_is_only_a_blocking_choice(tmp_path):
     """A model trained with 256-token chunks runs ours of 64 (layers/mamba2.py CPU_CHUNK): 150 tokens
     are one chunk for transformers, three for us, with the same outputs and state."""

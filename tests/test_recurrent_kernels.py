@@ -104,3 +104,51 @@ def test_kernels_refuse_a_slot_outside_the_pool_or_writing_the_one_read():
     with pytest.raises(RuntimeError, match="out of place"):
         _C.conv_step(torch.zeros(3, 2, 4), torch.tensor([1]), torch.tensor([[1]]), torch.zeros(1, 1, 4),
                      torch.zeros(3, 4), None, False)
+
+
+def _ssm_inputs(batch, steps, heads, head_dim, groups, d_state, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, steps, heads, head_dim, generator=g), torch.randn(batch, steps, groups, d_state, generator=g),
+            torch.randn(batch, steps, groups, d_state, generator=g), torch.rand(batch, steps, heads, generator=g))
+
+
+@pytest.mark.parametrize("d_state", [32, 20])
+def test_ssm_step_logged_states_replay_to_the_same_bits(d_state):
+    """A verification that logs the states after its drafts (saves 2..5 as logs rooted at save 1)
+    gives the outputs of one that writes them whole, bit for bit; and a step from each logged slot
+    (the root's state replayed through its entries) gives the outputs and state of one from the
+    whole slot, bit for bit, as greedy decoding with and without speculation needs."""
+    torch.manual_seed(2)
+    batch, heads, head_dim, groups, steps = 2, 4, 16, 2, 5
+    A, D = -torch.rand(heads) * 4, torch.randn(heads)
+    whole = torch.randn(40, heads, head_dim, d_state)
+    logged_pool = whole.clone()
+    src = torch.tensor([1, 2])
+    verify = _ssm_inputs(batch, steps, heads, head_dim, groups, d_state, 0)
+    dst_whole = torch.tensor([[10 + t for t in range(steps)], [20 + t for t in range(steps)]])
+    y_whole = _C.ssm_step(whole, src, dst_whole, *verify, A, D)
+    y_logged = _C.ssm_step(logged_pool, src, dst_whole, *verify, A, D,
+                           torch.tensor([[-1, 0, 1], [-1, 0, 1]]))  # tokens 1.. logged
+    assert torch.equal(y_whole, y_logged)
+    assert torch.equal(logged_pool[10], whole[10]) and torch.equal(logged_pool[20], whole[20])  # the roots, whole
+    assert not torch.equal(logged_pool[12], whole[12])  # a log, not the state
+    for t in range(1, steps):  # the next step from each kept draft
+        nxt = _ssm_inputs(batch, 2, heads, head_dim, groups, d_state, t)
+        out_whole = _C.ssm_step(whole, dst_whole[:, t].contiguous(), torch.tensor([[30, -1], [31, -1]]), *nxt, A, D)
+        out_logged = _C.ssm_step(logged_pool, dst_whole[:, t].contiguous(), torch.tensor([[30, -1], [31, -1]]), *nxt, A, D,
+                                 torch.tensor([[10, t, 2], [20, t, 2]]))
+        assert torch.equal(out_whole, out_logged)
+        assert torch.equal(whole[30:32], logged_pool[30:32])
+
+
+def test_ssm_step_refuses_logs_it_cannot_read():
+    pool = torch.zeros(8, 2, 4, 4)  # room for one entry a head (4 + 4 + 1 of 16)
+    args = (torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 2),
+            torch.zeros(2), torch.zeros(2))
+    src, dst = torch.tensor([1]), torch.tensor([[2, 3]])
+    with pytest.raises(RuntimeError, match="entries"):
+        _C.ssm_step(pool, src, dst, *args, torch.tensor([[4, 2, 2]]))
+    with pytest.raises(RuntimeError, match="root"):
+        _C.ssm_step(pool, src, dst, *args, torch.tensor([[2, 1, 2]]))
+    with pytest.raises(RuntimeError, match="saved whole"):
+        _C.ssm_step(pool, src, torch.tensor([[-1, 3]]), *args, torch.tensor([[-1, 0, 1]]))

@@ -13,7 +13,7 @@ from wallbreaker.engine.model_runner import ModelRunner
 from wallbreaker.engine.scheduler import Append, Scheduler, StepOutput
 from wallbreaker.engine.sequence import Sequence
 from wallbreaker.kv import BlockManager, BlockPool, KVCache
-from wallbreaker.kv.state_pool import StatePool, size_state_pool, slots_per_sequence
+from wallbreaker.kv.state_pool import StatePool, logs_drafts, size_state_pool, slots_per_sequence
 from wallbreaker.layers.recurrent import RecurrentMixer, scan_spans
 from wallbreaker.sampling_params import SamplingParams
 
@@ -36,36 +36,57 @@ def reference(prompt: list[int], n: int) -> list[int]:
 
 class SumMixer(RecurrentMixer):
     """State: [sum of token ids, count of tokens]. `in_pool`: short spans run token by token from
-    and into the pool's slots (scan_spans' `step_in_pool`, which the C++ kernels are)."""
+    and into the pool's slots (scan_spans' `step_in_pool`, which the C++ kernels are). `logs`: that
+    form keeps the states after drafts as logs of their tokens, as Mamba2's kernel does (a slot of
+    WIDTH holds a whole state in its first two places, or up to WIDTH tokens): a log read as a whole
+    state, or a root let go too early, gives other tokens."""
 
     in_pool = False
+    logs = False
+    WIDTH = 6
 
     def state_shapes(self):
-        return [(2,)]
+        return [(self.WIDTH,)] if self.logs else [(2,)]
+
+    @property
+    def logs_drafts(self) -> int:
+        return self.WIDTH if self.logs and self.in_pool else 0
 
     def forward(self, x, meta):
         return scan_spans(meta.state, self.state, (x,), self._scan, self._scan,
-                          self._in_pool if self.in_pool else None)
+                          self._in_pool if self.in_pool else None, self.logs_drafts > 0)
 
-    def _in_pool(self, inputs, src, dst):
+    def _in_pool(self, inputs, src, dst, logged=None):
         (x,), (pool,) = inputs, self.state  # x: [B, T, 1]
-        state = pool[src]
+        steps = x.shape[1]
+        state = pool[src, :2]
+        if logged is not None:
+            for b, (root, entries, _) in enumerate(logged.tolist()):
+                if root >= 0:
+                    state[b] = pool[root, :2] + torch.tensor([pool[src[b], :entries].sum(), entries])
         out = []
-        for t in range(x.shape[1]):
+        for t in range(steps):
             state = state + torch.cat([x[:, t], torch.ones_like(x[:, t])], 1)
             out.append(state)
-            keep = dst[:, t] >= 0
-            pool[dst[:, t][keep]] = state[keep]
+            for b in range(x.shape[0]):
+                slot, first = int(dst[b, t]), steps if logged is None else int(logged[b, 2])
+                if slot >= 0 and t < first:
+                    pool[slot, :2] = state[b]
+                elif slot >= 0:
+                    pool[slot, :t + 1 - first] = x[b, first:t + 1, 0]
         return torch.stack(out, 1)
 
     @staticmethod
     def _scan(inputs, states):
-        (x,), (s,) = inputs, states  # x: [L, 1] (or [B, 1]: one token each), s: [1 or B, 2]
+        (x,), (s,) = inputs, states  # x: [L, 1] (or [B, 1]: one token each), s: [1 or B, 2 or WIDTH]
         if s.shape[0] == x.shape[0] and x.shape[0] > 1:  # a one-token-each step
-            new = s + torch.cat([x, torch.ones_like(x)], 1)
-            return new, [new]
-        steps = torch.cat([x, torch.ones_like(x)], 1).cumsum(0) + s  # [L, 2]: the state after each row
-        return steps, [steps[-1:]]
+            new = s.clone()
+            new[:, :2] += torch.cat([x, torch.ones_like(x)], 1)
+            return new[:, :2], [new]
+        steps = torch.cat([x, torch.ones_like(x)], 1).cumsum(0) + s[:, :2]  # [L, 2]: the state after each row
+        last = s.clone()
+        last[:, :2] = steps[-1:]
+        return steps, [last]
 
 
 class SumModel(torch.nn.Module):
@@ -89,17 +110,19 @@ class SumModel(torch.nn.Module):
         return torch.nn.functional.one_hot(ids, VOCAB).float()
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["torch", "in_pool"])
+@pytest.fixture(autouse=True, params=["torch", "in_pool", "logged"])
 def in_pool(request, monkeypatch):
-    monkeypatch.setattr(SumMixer, "in_pool", request.param)
+    monkeypatch.setattr(SumMixer, "in_pool", request.param != "torch")
+    monkeypatch.setattr(SumMixer, "logs", request.param == "logged")
 
 
 def engine(num_blocks=64, slots=None, max_num_seqs=8, budget=64, checkpoints=8, spec=0, caching=True):
     slots = slots or 1 + max_num_seqs * slots_per_sequence(spec) + checkpoints
-    states = StatePool([[(2,)]], slots, checkpoints)
+    model = SumModel()
+    states = StatePool([model.mixer.state_shapes()], slots, checkpoints, log_drafts=logs_drafts(model))
     bm = BlockManager(BlockPool(num_blocks, caching), BS, states=states)
     s = Scheduler(bm, max_num_seqs, budget, max_model_len=10_000)
-    runner = ModelRunner(SumModel(), KVCache(CONFIG, num_blocks, BS, torch.float32), "cpu", states=states)
+    runner = ModelRunner(model, KVCache(CONFIG, num_blocks, BS, torch.float32), "cpu", states=states)
     return s, runner, states
 
 
@@ -201,7 +224,10 @@ def test_verification_keeps_the_state_after_the_accepted_drafts(accepted):
     batch = step(s, runner, drafts={seq: drafts})
     assert batch.num_new_tokens == [4]
     assert seq.output_token_ids == truth[:2 + accepted]
+    if SumMixer.logs:  # the state kept is a log of the accepted drafts over the state after the first token
+        assert states.log_of(seq.state_slot)[1] == accepted or accepted == 0
     assert run(s, runner, [seq], 8) == [truth]
+    assert not states.logs and states.num_used == len(states.checkpoints)  # every root let go
 
 
 def test_forks_share_their_parent_state_slot():

@@ -32,7 +32,7 @@ from .kv.cache import default_num_blocks, make_kv_cache, memory_budget
 from .kv.disk_cache import DiskKVCache
 from .kv.kv_file import engine_fingerprint
 from .kv.sessions import SessionInfo, SessionStore
-from .kv.state_pool import StatePool, size_state_pool, slot_bytes
+from .kv.state_pool import StatePool, logs_drafts, size_state_pool, slot_bytes
 from .layers.linear import mapped_bytes, module_bytes
 from .layers.shard import check_splittable
 from .lora.request import LoRARequest
@@ -164,7 +164,8 @@ class LLM:
         max_len = self._fit_context(max_len, num_blocks * bs)
         if self.config.tensor_parallel_size == 1:
             self.model = load_model(files, self.config, device)
-            self.states = StatePool(self._state_shapes(), *state_slots, device) if state_slots is not None else None
+            self.states = StatePool(self._state_shapes(), *state_slots, device, logs_drafts(self.model)) \
+                if state_slots is not None else None
             self.kv_cache = make_kv_cache(files.config, self.config, num_blocks, device)
             runner = ModelRunner(self.model, self.kv_cache, device, vocab_limit, self.states, self.vision)
         else:

@@ -119,7 +119,8 @@ class ModelRunner:
                 prefills.append(PrefillSpan(len(input_ids), n, end, torch.tensor(seq.block_table, device=self.device),
                                             tuple((im.offset, im.end) for im in images if im.bidirectional)))
             if self.states is not None:
-                state_spans.append(StateSpan(len(input_ids), n, seq.state_slot, list(seq.state_saves)))
+                state_spans.append(StateSpan(len(input_ids), n, seq.state_slot, list(seq.state_saves),
+                                             *seq.state_src_log, seq.state_log_after))
             input_ids += seq.tokens_to_compute(start, end)
             adapters.append((seq.lora_slot, n))
             positions += range(start, end)

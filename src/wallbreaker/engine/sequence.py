@@ -83,6 +83,8 @@ class Sequence:
     state_slot: int = 0
     state_saves: list[tuple[int, int]] = field(default_factory=list)
     state_checkpoint_at: int = 0  # the token count whose state this step keeps for the prefix cache (0: none)
+    state_src_log: tuple[int, int] = (-1, 0)  # state_slot's root and entries where it is logged
+    state_log_after: int = 0  # saves past this k are logs (0: none)
     images: tuple["ImageInput", ...] = ()  # the prompt's images, by the positions of their soft tokens
     encoder_time_s: float = 0.0  # spent in the vision encoder on this sequence's images
     _rope_table: tuple | None = field(default=None, repr=False)  # vision.inputs.rope_table, () for none

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from ..layers.recurrent import ZERO_SLOT
+from ..layers.recurrent import MAX_STEP_TOKENS, ZERO_SLOT
 from .block_pool import Block, BlockPool, hash_block, salt_digest
 from .state_pool import StatePool
 
@@ -35,6 +35,8 @@ class PagedSequence(Protocol):
     state_slot: int
     state_saves: list[tuple[int, int]]
     state_checkpoint_at: int
+    state_src_log: tuple[int, int]
+    state_log_after: int
 
 
 class BlockStore(Protocol):
@@ -210,9 +212,19 @@ class BlockManager:
         return len(needed) <= self.states.num_free
 
     def _reserve_states(self, seq: PagedSequence, num_new: int) -> None:
-        computed = seq.num_computed_tokens
-        ks = self._state_saves_needed(seq, computed, num_new, len(seq.spec_token_ids))
+        """The step's saves; where the pool logs drafts, those after a draft are logs rooted at the save
+        after the last verified token (kv/state_pool.py)."""
+        computed, num_draft = seq.num_computed_tokens, len(seq.spec_token_ids)
+        ks = self._state_saves_needed(seq, computed, num_new, num_draft)
         seq.state_saves = [(k, self.states.allocate()) for k in ks]
+        seq.state_src_log = self.states.log_of(seq.state_slot)
+        seq.state_log_after = 0
+        if 0 < num_draft <= self.states.log_drafts and num_new <= MAX_STEP_TOKENS:
+            seq.state_log_after = root_k = num_new - num_draft
+            root = dict(seq.state_saves)[root_k]
+            for k, slot in seq.state_saves:
+                if k > root_k:
+                    self.states.log(slot, root, k - root_k)
         boundary = (len(seq.token_ids) - 1) // self.block_size * self.block_size
         seq.state_checkpoint_at = boundary if any(computed + k == boundary for k in ks) and boundary else 0
 
@@ -241,6 +253,7 @@ class BlockManager:
             self.states.release(slot)
         seq.state_saves = []
         seq.state_checkpoint_at = 0
+        seq.state_log_after = 0
 
     def can_append(self, seq: PagedSequence, num_new_tokens: int) -> bool:
         end = seq.num_computed_tokens + num_new_tokens

@@ -8,6 +8,12 @@ is never changed until it is free again. Sharing it is free: forks hold the same
 prefix cache keeps a slot as a checkpoint, keyed by the chained hash of the block it ends, by
 holding a reference to it (unlike vLLM, which puts a state in one giant attention page).
 
+Where a model's layers log drafts (`log_drafts`: Mamba2's SSM, layers/mamba2.py), the state after
+a speculative draft is kept as a log: the slot holds the inputs of the drafts up to it, and its
+state is that of a root slot (the state after the step's last verified token, written whole)
+advanced by them. The logged slot holds a reference to its root until it is free again; a log is
+never a checkpoint, so whatever reads a slot whole (a file, the disk tier) reads whole states.
+
 Slot 0 is the zero state, never written, never freed. Free slots are reused last-freed first, so
 the pages touched (the pool is lazily zeroed) stay those of the working set.
 """
@@ -28,9 +34,11 @@ logger = logging.getLogger("wallbreaker.kv")
 
 class StatePool:
     def __init__(self, layer_shapes: list[list[tuple[int, ...]]], num_slots: int, max_checkpoints: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", log_drafts: int = 0):
         """`layer_shapes`: per recurrent layer, each state kind's shape for one sequence.
-        `max_checkpoints`: slots the prefix cache may keep (its share of the pool)."""
+        `max_checkpoints`: slots the prefix cache may keep (its share of the pool). `log_drafts`: how
+        many drafts a slot can hold as a log, where some layer keeps them so (0: none; the block
+        manager then says which saves are logs)."""
         if num_slots < 2:
             raise ValueError("a state pool needs the zero slot and at least one more")
         self.layer_shapes = layer_shapes
@@ -44,6 +52,8 @@ class StatePool:
         self.checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, least recent first
         self.checkpoint_queries = 0
         self.checkpoint_hits = 0
+        self.log_drafts = log_drafts
+        self.logs: dict[int, tuple[int, int]] = {}  # logged slot -> (root slot, entries)
 
     def layer(self, i: int) -> list[torch.Tensor]:
         return self.layers[i]
@@ -73,8 +83,18 @@ class StatePool:
         self.ref_counts[slot] = 1
         return slot
 
+    def log(self, slot: int, root: int, entries: int) -> None:
+        """`slot` (being written by a step) holds the inputs of `entries` drafts after `root`'s state."""
+        self.retain(root)
+        self.logs[slot] = (root, entries)
+
+    def log_of(self, slot: int) -> tuple[int, int]:
+        """(root, entries) of a logged slot; (-1, 0) for one holding a whole state."""
+        return self.logs.get(slot, (-1, 0))
+
     def read_slot(self, slot: int) -> list[torch.Tensor]:
         """Copies of `slot`'s state in host memory, each layer's kinds in order: what a file of it holds."""
+        assert slot not in self.logs, "a logged slot holds no whole state"
         return [t[slot].to("cpu", copy=True) for kinds in self.layers for t in kinds]
 
     def write_slot(self, slot: int, parts: list[torch.Tensor]) -> None:
@@ -111,12 +131,15 @@ class StatePool:
         assert self.ref_counts[slot] >= 0, f"state slot {slot} released more often than taken"
         if self.ref_counts[slot] == 0:
             self._free.append(slot)
+            if slot in self.logs:
+                self.release(self.logs.pop(slot)[0])
 
     # -- the prefix cache's checkpoints --------------------------------------------------------
     def checkpoint(self, block_hash: bytes, slot: int) -> None:
         """Keep `slot` as the state after the block `block_hash` ends (the hash chains all before it)."""
         if self.max_checkpoints == 0:
             return
+        assert slot not in self.logs, "a checkpoint is a whole state"
         if block_hash in self.checkpoints:
             self.checkpoints.move_to_end(block_hash)
             return
@@ -152,7 +175,13 @@ def shard_state_pool(model: torch.nn.Module, sizes: tuple[int, int] | None, devi
     share), each of the shapes its own share of the recurrent layers keeps."""
     if sizes is None:
         return None
-    return StatePool([m.state_shapes() for m in model.recurrent_layers()], *sizes, device)
+    return StatePool([m.state_shapes() for m in model.recurrent_layers()], *sizes, device, logs_drafts(model))
+
+
+def logs_drafts(model: torch.nn.Module) -> int:
+    """How many drafts every recurrent layer of `model` that logs them can hold (0: none logs)."""
+    rooms = [m.logs_drafts for m in model.recurrent_layers() if getattr(m, "logs_drafts", 0)]
+    return min(rooms, default=0)
 
 
 def slot_bytes(layer_shapes: list[list[tuple[int, ...]]]) -> int:
@@ -160,9 +189,9 @@ def slot_bytes(layer_shapes: list[list[tuple[int, ...]]]) -> int:
 
 
 def slots_per_sequence(num_speculative_tokens: int) -> int:
-    """What one running sequence may hold at once: its state, and in a step the state after each
-    verified position (1 + drafts) and a prefix-cache checkpoint."""
-    return 1 + 1 + num_speculative_tokens + 1
+    """What one running sequence may hold at once: its state (and, logged, its root), and in a step
+    the state after each verified position (1 + drafts) and a prefix-cache checkpoint."""
+    return 1 + (1 if num_speculative_tokens else 0) + 1 + num_speculative_tokens + 1
 
 
 def size_state_pool(layer_shapes: list[list[tuple[int, ...]]], max_num_seqs: int, num_speculative_tokens: int,

@@ -85,11 +85,19 @@ class Mamba2Mixer(RecurrentMixer):
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.state_size)]
 
+    @property
+    def logs_drafts(self) -> int:
+        """How many drafts' inputs a slot's SSM state can hold as a log in its own room (`_C.ssm_step`:
+        x and dt of each head, B of each group, in a head's head_dim x d_state floats), a
+        verification then writing one whole state as a decode step does (the conv state stays
+        whole); 0 on the torch path, which writes whole states."""
+        return (self.head_dim * self.state_size) // (self.head_dim + self.state_size + 1) if self.in_pool else 0
+
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         zxbcdt = self.in_proj(x).float()  # [T, inner + conv_dim + heads]
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         y = scan_spans(meta.state, self.state, (xbc, dt), self.step, self.chunk,
-                       self.step_in_pool if self.in_pool else None)  # [T, inner]
+                       self.step_in_pool if self.in_pool else None, self.logs_drafts > 0)  # [T, inner]
         return self.out_proj(self.gated_norm(y, z))
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -138,11 +146,13 @@ class Mamba2Mixer(RecurrentMixer):
         y = new_ssm @ c + x * self.D.view(g, r, 1, 1)  # [B, groups, heads / groups, head_dim, 1]
         return y.view(batch, self.inner), [window[:, 1:], new_ssm.view(ssm.shape)]
 
-    def step_in_pool(self, inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    def step_in_pool(self, inputs: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor,
+                     logged: torch.Tensor | None = None) -> torch.Tensor:
         """T tokens of each of B sequences on the pool itself: xbc [B, T, conv_dim], dt [B, T, heads];
         states read from slots `src` [B], the state after token t written to slot dst[b, t] where that
-        is not -1. The convolution and the SSM recurrence run in C++ (`_C.conv_step`, `_C.ssm_step`),
-        without gathering and scattering the states; outputs [B, T, inner]."""
+        is not -1 (`logged`: which SSM states are logs, StateMetadata.logged). The convolution and the
+        SSM recurrence run in C++ (`_C.conv_step`, `_C.ssm_step`), without gathering and scattering
+        the states; outputs [B, T, inner]."""
         xbc, dt = inputs
         conv, ssm = self.state
         batch, steps, g = xbc.shape[0], xbc.shape[1], self.num_groups
@@ -151,7 +161,7 @@ class Mamba2Mixer(RecurrentMixer):
         y = _ssm_step(ssm, src, dst, x.contiguous().view(batch, steps, self.num_heads, self.head_dim),
                       b.contiguous().view(batch, steps, g, self.state_size),
                       c.contiguous().view(batch, steps, g, self.state_size),
-                      self._time_step(dt).contiguous(), self.A, self.D)
+                      self._time_step(dt).contiguous(), self.A, self.D, logged)
         return y.view(batch, steps, self.inner)
 
     def chunk(self, inputs: tuple[torch.Tensor, ...], states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -8,9 +8,10 @@ They live in the state pool (kv/state_pool.py): per recurrent layer, one tensor 
 States are written out of place. A step reads a sequence's state from one slot (`StateSpan.src`)
 and writes the states it must keep to others (`StateSpan.saves`); the scheduler then commits one
 of them and lets the old one go. So a failed step retried alone is exact, forks share a slot
-(copy-on-write for free: no one writes a slot that is read), speculative verification writes
-the state after each draft and keeps the one of the drafts accepted (no re-decoding), and the
-prefix cache keeps a slot as a checkpoint by holding a reference to it.
+(copy-on-write for free: no one writes a slot that is read), speculative verification keeps
+the state after each draft (or, for Mamba2's SSM, a log of the drafts' inputs: kv/state_pool.py)
+and commits the one of the drafts accepted (no re-decoding), and the prefix cache keeps a slot as
+a checkpoint by holding a reference to it.
 
 Slot 0 is all zeros and never written: the state before a sequence's first token.
 """
@@ -34,6 +35,12 @@ class StateSpan:
     length: int  # rows (tokens) computed this step
     src: int  # slot holding the state before its first row (ZERO_SLOT: nothing before it)
     saves: list[tuple[int, int]]  # (k, slot), k ascending in 1..length: the state after its first k rows goes to slot
+    # logged states (layers that `logs_drafts`; kv/state_pool.py): src is the state of slot `src_root`
+    # advanced by the `src_entries` tokens logged in src (-1, 0: src holds a whole state); saves with
+    # k > `log_after` (0: none) are logged, rooted at the save with k == log_after
+    src_root: int = -1
+    src_entries: int = 0
+    log_after: int = 0
 
 
 @dataclass
@@ -51,6 +58,13 @@ class StateMetadata:
             self._memo["one"] = all(s.length == 1 and len(s.saves) == 1 for s in self.spans)
         return self._memo["one"]
 
+    def logged(self, spans: list[StateSpan], device: torch.device) -> torch.Tensor | None:
+        """[B, 3] int64 (root slot, src's entries, first logged row) of `spans`, for a kernel that
+        reads and writes logged states (`_C.ssm_step`); None where no span has any."""
+        if all(s.src_root < 0 and not s.log_after for s in spans):
+            return None
+        return torch.tensor([(s.src_root, s.src_entries, s.log_after or s.length) for s in spans], device=device)
+
     def slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """[B] source slots and [B] destination slots of a one-token-each step."""
         if "slots" not in self._memo:
@@ -65,13 +79,15 @@ StepFn = Callable[[tuple[torch.Tensor, ...], list[torch.Tensor]], tuple[torch.Te
 ChunkFn = StepFn
 # step_in_pool: (inputs, each [B, T, ...]; src [B] slots; dst [B, T] slots, -1 where not kept) -> outputs
 # [B, T, ...]: T tokens of each sequence, token by token, from the pool's src slots, writing the state
-# after token t to slot dst[b, t] itself (C++: csrc/recurrent_ops.cpp), with no gather or scatter copies
-StepInPoolFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor], torch.Tensor]
+# after token t to slot dst[b, t] itself (C++: csrc/recurrent_ops.cpp), with no gather or scatter copies;
+# a layer that logs drafts takes a fourth argument, StateMetadata.logged's
+StepInPoolFn = Callable[..., torch.Tensor]
 MAX_STEP_TOKENS = 16  # a span this short goes to step_in_pool (decode, verification, a short prompt)
 
 
 def scan_spans(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[torch.Tensor, ...],
-               step: StepFn, chunk: ChunkFn, step_in_pool: StepInPoolFn | None = None) -> torch.Tensor:
+               step: StepFn, chunk: ChunkFn, step_in_pool: StepInPoolFn | None = None,
+               logs: bool = False) -> torch.Tensor:
     """Run a recurrence over a step's rows: `inputs` are per-row tensors [T, ...] (what the layer's
     input projection made), `pool` the layer's state tensors [num_slots, *shape]. Returns the
     per-row outputs [T, ...], in row order.
@@ -79,9 +95,10 @@ def scan_spans(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[torc
     `step` is the one-token form (a decode step: every sequence at once), `chunk` the form for
     many tokens of one sequence (prefill). Neither may write the states it is given. A span is cut
     at its save points; each piece runs from the state the previous one ended with. Where the layer
-    has `step_in_pool`, spans of at most MAX_STEP_TOKENS go to it instead, grouped by length."""
+    has `step_in_pool`, spans of at most MAX_STEP_TOKENS go to it instead, grouped by length; with
+    `logs`, it reads and writes logged states, which no other form can."""
     if step_in_pool is not None:
-        return _scan_in_pool(meta, pool, inputs, step, chunk, step_in_pool)
+        return _scan_in_pool(meta, pool, inputs, step, chunk, step_in_pool, logs)
     if meta.one_token_each:
         src, dst = meta.slots(inputs[0].device)
         out, new = step(inputs, [p[src] for p in pool])
@@ -92,7 +109,10 @@ def scan_spans(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[torc
 
 
 def _scan_span(span: StateSpan, pool: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], step: StepFn,
-               chunk: ChunkFn) -> torch.Tensor:
+               chunk: ChunkFn, logs: bool = False) -> torch.Tensor:
+    if logs and (span.src_root >= 0 or span.log_after):
+        raise RuntimeError(f"a logged state reached a span of {span.length} tokens, past what the layer's "
+                           f"kernel runs ({MAX_STEP_TOKENS}); the block manager logs only shorter steps")
     outs: list[torch.Tensor] = []
     states = [p[span.src:span.src + 1] for p in pool]
     done = 0
@@ -109,13 +129,21 @@ def _scan_span(span: StateSpan, pool: list[torch.Tensor], inputs: tuple[torch.Te
 
 
 def _scan_in_pool(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], step: StepFn,
-                  chunk: ChunkFn, step_in_pool: StepInPoolFn) -> torch.Tensor:
+                  chunk: ChunkFn, step_in_pool: StepInPoolFn, logs: bool) -> torch.Tensor:
     device = inputs[0].device
+
+    def run(shaped: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor, logged: torch.Tensor | None) -> torch.Tensor:
+        if logs:
+            return step_in_pool(shaped, src, dst, logged).flatten(0, 1)
+        return step_in_pool(shaped, src, dst).flatten(0, 1)
+
     if meta.one_token_each:
         src, dst = meta.slots(device)
-        return step_in_pool(tuple(x[:, None] for x in inputs), src, dst[:, None]).flatten(0, 1)
+        if "logged" not in meta._memo:
+            meta._memo["logged"] = meta.logged(meta.spans, device)
+        return run(tuple(x[:, None] for x in inputs), src, dst[:, None], meta._memo["logged"])
     groups = meta._memo.get("groups")
-    if groups is None:  # per span length: (rows [B * T], src [B], dst [B, T]), shared by every layer
+    if groups is None:  # per span length: (rows [B * T], src [B], dst [B, T], logged), shared by every layer
         by_length: dict[int, list[StateSpan]] = {}
         for span in meta.spans:
             if span.length <= MAX_STEP_TOKENS:
@@ -128,22 +156,22 @@ def _scan_in_pool(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[t
                     dst[b, k - 1] = slot
             starts = [s.start + t for s in spans for t in range(length)]
             rows = torch.tensor(starts, device=device)
-            groups.append((rows, torch.tensor([s.src for s in spans], device=device), dst.to(device)))
+            groups.append((rows, torch.tensor([s.src for s in spans], device=device), dst.to(device),
+                           meta.logged(spans, device)))
             in_order = starts == list(range(inputs[0].shape[0]))
         # every row in one group, in row order (a verification, equal spans side by side): no gather
         # of the inputs and no scatter of the outputs
         meta._memo["groups"] = groups
         meta._memo["whole"] = len(groups) == 1 and in_order
     if meta._memo["whole"]:
-        _, src, dst = groups[0]
-        return step_in_pool(tuple(x.reshape(*dst.shape, *x.shape[1:]) for x in inputs), src, dst).flatten(0, 1)
+        _, src, dst, logged = groups[0]
+        return run(tuple(x.reshape(*dst.shape, *x.shape[1:]) for x in inputs), src, dst, logged)
     parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
-    for rows, src, dst in groups:
-        shaped = tuple(x[rows].view(*dst.shape, *x.shape[1:]) for x in inputs)
-        parts.append((rows, step_in_pool(shaped, src, dst).flatten(0, 1)))
+    for rows, src, dst, logged in groups:
+        parts.append((rows, run(tuple(x[rows].view(*dst.shape, *x.shape[1:]) for x in inputs), src, dst, logged)))
     for span in meta.spans:
         if span.length > MAX_STEP_TOKENS:
-            parts.append((slice(span.start, span.start + span.length), _scan_span(span, pool, inputs, step, chunk)))
+            parts.append((slice(span.start, span.start + span.length), _scan_span(span, pool, inputs, step, chunk, logs)))
     out = parts[0][1].new_empty(inputs[0].shape[0], *parts[0][1].shape[1:])
     for rows, y in parts:
         out[rows] = y

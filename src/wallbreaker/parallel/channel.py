@@ -25,7 +25,8 @@ class StepChannel:
         spans = [(s.start, s.length, s.context_len, len(s.block_table)) for s in m.prefills]
         rows = step.logit_rows
         states = m.state.spans if m.state is not None else []
-        state_parts = [torch.tensor([x for s in states for x in (s.start, s.length, s.src, len(s.saves))], dtype=torch.long),
+        state_parts = [torch.tensor([x for s in states for x in (s.start, s.length, s.src, len(s.saves), s.src_root,
+                                                                 s.src_entries, s.log_after)], dtype=torch.long),
                        torch.tensor([x for s in states for save in s.saves for x in save], dtype=torch.long)]
         parts = [step.input_ids, m.positions, m.slot_mapping, m.block_tables.flatten(), m.query_start, m.context_lens,
                  torch.tensor(spans, dtype=torch.long).flatten(), *(s.block_table for s in m.prefills),
@@ -68,11 +69,12 @@ class StepChannel:
         rows = None if n_rows < 0 else take(n_rows)
         state = None
         if n_states >= 0:
-            heads = take(4 * n_states).view(n_states, 4).tolist()
+            heads = take(7 * n_states).view(n_states, 7).tolist()
             saves = take(2 * sum(h[3] for h in heads)).view(-1, 2).tolist()
             spans, at = [], 0
-            for start, length, src, n_saves in heads:
-                spans.append(StateSpan(start, length, src, [tuple(x) for x in saves[at:at + n_saves]]))
+            for start, length, src, n_saves, root, entries, log_after in heads:
+                spans.append(StateSpan(start, length, src, [tuple(x) for x in saves[at:at + n_saves]], root, entries,
+                                       log_after))
                 at += n_saves
             state = StateMetadata(spans)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start=query_start, context_lens=lens,
