@@ -2,7 +2,7 @@
 llama.cpp (issue 51 item 5).
 
 The Hugging Face folder is written as OpenAI's checkpoint stores it, tensor by tensor with safetensors
-(no model is built, so memory stays at one tensor): experts as MXFP4 (`*_blocks`, random e2m1 codes;
+(no model is built, so memory stays at one shard: 2.3 GB for the embedding and head): experts as MXFP4 (`*_blocks`, random e2m1 codes;
 `*_scales`, e8m0 of 2^-8 to 2^-5, about a trained model's weight size) with
 `quantization_config: {quant_method: mxfp4}`, everything else bfloat16. llama.cpp's own
 `convert_hf_to_gguf.py` then writes the GGUF: it copies MXFP4 experts as they are whatever the out
@@ -34,7 +34,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent / "tests")
 
 FULL_LAYERS = 24
 SCALES = (119, 123)  # e8m0 exponents drawn from [lo, hi): 2^-8 .. 2^-5
-# transformers' names of the tensors quantize_config leaves in bfloat16
+# the modules OpenAI's quantization_config leaves in bfloat16
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
