@@ -332,6 +332,16 @@ def test_q8_0_gguf_loads_and_generates(folder, llamacpp_converter, reference, dt
     assert [len(t) for t in greedy_of(llm, prompts)] == [12] * len(prompts)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_a_lone_token_takes_dispatchs_bits(folder, dtype):
+    """A decode step's token skips `dispatch` (models/gpt_oss.py `_one_token`) and must still give the
+    bits a batch gives it: batch invariance rests on it."""
+    from wallbreaker.models.moe import dispatch
+    mlp = make_llm(folder, dtype=dtype).model.layers[1].mlp
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(mlp(x), dispatch(x, *mlp.route(x), mlp.num_experts, mlp.expert))
+
+
 def test_tensor_parallelism_is_refused(folder):
     with pytest.raises(Exception, match="tensor parallelism"):
         LLM(str(folder), tensor_parallel_size=2)
