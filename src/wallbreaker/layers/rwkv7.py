@@ -89,25 +89,34 @@ class TokenShift(DirectModule):
 
 @dataclass
 class TimeMixWeights:
-    """A time mix's float32 vectors and low-rank pairs (the four projections are modules of their own)."""
+    """A time mix's float32 vectors and its decay's low-rank pair, which llama.cpp's converter keeps in
+    float32 (the other pairs, quantized like the projections, are `LowRank` modules)."""
 
     lerp: torch.Tensor  # [6, hidden]: r, w, k, v, a, g
     w0: torch.Tensor
     w1: torch.Tensor  # [rank, hidden]
     w2: torch.Tensor  # [hidden, rank]
     a0: torch.Tensor
-    a1: torch.Tensor
-    a2: torch.Tensor
-    g1: torch.Tensor
-    g2: torch.Tensor
     k_k: torch.Tensor
     k_a: torch.Tensor
     r_k: torch.Tensor  # [heads, N]
     ln_weight: torch.Tensor
     ln_bias: torch.Tensor
-    v0: torch.Tensor | None = None  # the value residual's pair; None in layer 0
-    v1: torch.Tensor | None = None
-    v2: torch.Tensor | None = None
+    v0: torch.Tensor | None = None  # the value residual's bias; None in layer 0
+
+
+class LowRank(DirectModule):
+    """A low-rank pair as two linear modules (`down` [rank, hidden], `up` [hidden, rank]), so a quantized
+    file's pair runs in its stored blocks, as llama.cpp runs it, rather than read as float32 at four
+    times the bytes each token; `inner` is applied between them."""
+
+    def __init__(self, down: nn.Module, up: nn.Module, inner=None):
+        super().__init__()
+        self.down, self.up, self.inner = down, up, inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(x).float()
+        return self.up(h if self.inner is None else self.inner(h)).float()
 
 
 class ValueFirst:
@@ -149,10 +158,11 @@ class WKV7:
 
 class TimeMix(DirectModule):
     def __init__(self, heads: int, head_size: int, r: nn.Module, k: nn.Module, v: nn.Module, o: nn.Module,
-                 w: TimeMixWeights, first: ValueFirst):
+                 w: TimeMixWeights, a_lora: LowRank, g_lora: LowRank, v_lora: LowRank | None, first: ValueFirst):
         super().__init__()
         self.heads, self.n = heads, head_size
         self.r_proj, self.k_proj, self.v_proj, self.o_proj = r, k, v, o
+        self.a_lora, self.g_lora, self.v_lora = a_lora, g_lora, v_lora  # v_lora: None in layer 0
         self.w, self.first = w, first
         self.shift = TokenShift(heads * head_size)
 
@@ -163,14 +173,14 @@ class TimeMix(DirectModule):
         xr, xw, xk, xv, xa, xg = mixed.unbind(0)
         r, k, v = self.r_proj(xr).float(), self.k_proj(xk).float(), self.v_proj(xv).float()
         decay = torch.exp(DECAY_SCALE * torch.sigmoid(w.w0 + F.linear(torch.tanh(F.linear(xw, w.w1)), w.w2)))
-        a = torch.sigmoid(w.a0 + F.linear(F.linear(xa, w.a1), w.a2))
-        g = F.linear(torch.sigmoid(F.linear(xg, w.g1)), w.g2)
+        a = torch.sigmoid(w.a0 + self.a_lora(xa))
+        g = self.g_lora(xg)
         kk = F.normalize((k * w.k_k).view(rows, self.heads, self.n), dim=-1, eps=L2_EPS)
         k = k * (1 + (a - 1) * w.k_a)
-        if w.v0 is None:
+        if self.v_lora is None:
             self.first.v = v
         else:
-            v = v + (self.first.v - v) * torch.sigmoid(w.v0 + F.linear(F.linear(xv, w.v1), w.v2))
+            v = v + (self.first.v - v) * torch.sigmoid(w.v0 + self.v_lora(xv))
         heads = (rows, self.heads, self.n)
         r, k, v = r.view(heads), k.view(heads), v.view(heads)
         y = WKV7.forward((r, decay.view(heads), k, v, -kk, kk * a.view(heads)), meta, wkv_pool)
