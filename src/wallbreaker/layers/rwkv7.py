@@ -14,6 +14,10 @@ xx = x_prev - x:
 
 and the channel mix: k = x + xx * mix_k; out = V relu(K k)^2.
 
+The elementwise work between the low-rank pairs and the WKV update (decay, rate, kk, k, v, a, b),
+and after it (group norm, bonus, gate), is one C++ op each (`_C.rwkv7_mix`, `_C.rwkv7_out`): at
+decode its ~30 small PyTorch ops a layer cost more in dispatch than in arithmetic.
+
 Three states per sequence, float32: the time mix's last input [1, hidden], S [heads, N, N], the
 channel mix's last input [1, hidden]. The WKV update runs in C++ (`_C.wkv7_step`): on the pool itself
 for decode, verification and prompt spans up to MAX_STEP_TOKENS, from a copy of the state for longer
@@ -34,10 +38,10 @@ from .recurrent import scan_spans
 
 _conv_step = _C.conv_step
 _wkv7_step = _C.wkv7_step
+_rwkv7_mix = _C.rwkv7_mix
+_rwkv7_out = _C.rwkv7_out
 
-DECAY_SCALE = -0.606531  # -exp(-0.5)
 GROUP_NORM_EPS = 64e-5  # llama.cpp's and BlinkDL's, whatever the head size
-L2_EPS = 1e-12
 
 
 class LayerNorm(DirectModule):
@@ -99,7 +103,7 @@ class TimeMixWeights:
     a0: torch.Tensor
     k_k: torch.Tensor
     k_a: torch.Tensor
-    r_k: torch.Tensor  # [heads, N]
+    r_k: torch.Tensor  # [hidden]: [heads, N] flattened
     ln_weight: torch.Tensor
     ln_bias: torch.Tensor
     v0: torch.Tensor | None = None  # the value residual's bias; None in layer 0
@@ -172,21 +176,19 @@ class TimeMix(DirectModule):
         mixed = x + (self.shift(x, meta, shift_pool) - x) * w.lerp[:, None]  # [6, T, hidden]
         xr, xw, xk, xv, xa, xg = mixed.unbind(0)
         r, k, v = self.r_proj(xr).float(), self.k_proj(xk).float(), self.v_proj(xv).float()
-        decay = torch.exp(DECAY_SCALE * torch.sigmoid(w.w0 + F.linear(torch.tanh(F.linear(xw, w.w1)), w.w2)))
-        a = torch.sigmoid(w.a0 + self.a_lora(xa))
-        g = self.g_lora(xg)
-        kk = F.normalize((k * w.k_k).view(rows, self.heads, self.n), dim=-1, eps=L2_EPS)
-        k = k * (1 + (a - 1) * w.k_a)
+        w_low = F.linear(torch.tanh(F.linear(xw, w.w1)), w.w2)
         if self.v_lora is None:
             self.first.v = v
+            residual = (None, None, None)
         else:
-            v = v + (self.first.v - v) * torch.sigmoid(w.v0 + self.v_lora(xv))
-        heads = (rows, self.heads, self.n)
-        r, k, v = r.view(heads), k.view(heads), v.view(heads)
-        y = WKV7.forward((r, decay.view(heads), k, v, -kk, kk * a.view(heads)), meta, wkv_pool)
-        y = F.group_norm(y.reshape(rows, -1), self.heads, w.ln_weight, w.ln_bias, GROUP_NORM_EPS)
-        y = y + ((r * k * w.r_k).sum(-1, keepdim=True) * v).reshape(rows, -1)
-        return self.o_proj(y * g)
+            residual = (self.v_lora(xv), self.first.v, w.v0)
+        v_low, v_first, v0 = residual
+        mixed = _rwkv7_mix(k, v, w_low, self.a_lora(xa), v_low, v_first, w.w0, w.a0, v0, w.k_k, w.k_a, self.n)
+        decay, k, v, a, b = mixed.view(5, rows, self.heads, self.n).unbind(0)  # [T, heads, N] each
+        y = WKV7.forward((r.view(rows, self.heads, self.n), decay, k, v, a, b), meta, wkv_pool)
+        y = _rwkv7_out(y.reshape(rows, -1), r, k.reshape(rows, -1), v.reshape(rows, -1), self.g_lora(xg),
+                       w.ln_weight, w.ln_bias, w.r_k, self.n, GROUP_NORM_EPS)
+        return self.o_proj(y)
 
 
 class ChannelMix(DirectModule):

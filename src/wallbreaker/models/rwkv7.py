@@ -33,7 +33,7 @@ def time_mix(cfg: ModelConfig, layer: int, src: WeightSource, first: ValueFirst)
     weights = TimeMixWeights(
         lerp=small("lerp_fused.weight").reshape(len(LERPS), cfg.hidden_size),
         w0=small("w0.weight"), w1=small("w1.weight"), w2=small("w2.weight"), a0=small("a0.weight"),
-        k_k=small("k_k.weight"), k_a=small("k_a.weight"), r_k=small("r_k.weight").reshape(heads, n),
+        k_k=small("k_k.weight"), k_a=small("k_a.weight"), r_k=small("r_k.weight").reshape(-1),
         ln_weight=small("ln.weight"), ln_bias=small("ln.bias"), v0=None if layer == 0 else small("v0.weight"))
     proj = [src.linear([f"{p}{name}.weight"]) for name in ("receptance", "key", "value", "output")]
     return TimeMix(heads, n, *proj, weights, low_rank("a"), low_rank("g", torch.sigmoid),
