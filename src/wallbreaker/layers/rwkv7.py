@@ -51,10 +51,11 @@ class LayerNorm(DirectModule):
         super().__init__()
         self.register_buffer("weight", weight.float(), persistent=False)
         self.register_buffer("bias", bias.float(), persistent=False)
-        self.eps = eps
+        self.eps, self._shape = eps, tuple(weight.shape)
+        self._weight, self._bias = self.weight, self.bias  # read on every call: plain attributes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), self.weight.shape, self.weight, self.bias, self.eps)
+        return torch.layer_norm(x.float(), self._shape, self._weight, self._bias, self.eps)
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         if delta is not None:
@@ -96,7 +97,7 @@ class TimeMixWeights:
     """A time mix's float32 vectors and its decay's low-rank pair, which llama.cpp's converter keeps in
     float32 (the other pairs, quantized like the projections, are `LowRank` modules)."""
 
-    lerp: torch.Tensor  # [6, hidden]: r, w, k, v, a, g
+    lerp: torch.Tensor  # [6, 1, hidden]: r, w, k, v, a, g
     w0: torch.Tensor
     w1: torch.Tensor  # [rank, hidden]
     w2: torch.Tensor  # [hidden, rank]
@@ -173,7 +174,7 @@ class TimeMix(DirectModule):
     def forward(self, x: torch.Tensor, meta, shift_pool: torch.Tensor, wkv_pool: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (after the layer's first norm) -> [T, hidden]."""
         w, rows = self.w, x.shape[0]
-        mixed = x + (self.shift(x, meta, shift_pool) - x) * w.lerp[:, None]  # [6, T, hidden]
+        mixed = torch.addcmul(x, self.shift(x, meta, shift_pool) - x, w.lerp)  # [6, T, hidden]
         xr, xw, xk, xv, xa, xg = mixed.unbind(0)
         r, k, v = self.r_proj(xr).float(), self.k_proj(xk).float(), self.v_proj(xv).float()
         w_low = F.linear(torch.tanh(F.linear(xw, w.w1)), w.w2)
@@ -199,5 +200,6 @@ class ChannelMix(DirectModule):
         self.shift = TokenShift(hidden)
 
     def forward(self, x: torch.Tensor, meta, shift_pool: torch.Tensor) -> torch.Tensor:
-        k = x + (self.shift(x, meta, shift_pool) - x) * self.lerp_k
-        return self.value(torch.relu(self.key(k).float()).square())
+        k = torch.addcmul(x, self.shift(x, meta, shift_pool) - x, self.lerp_k)
+        h = torch.relu_(self.key(k).float())  # the key's output is the step's own: changed in place
+        return self.value(h.mul_(h))

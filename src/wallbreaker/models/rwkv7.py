@@ -31,7 +31,7 @@ def time_mix(cfg: ModelConfig, layer: int, src: WeightSource, first: ValueFirst)
         return LowRank(src.linear([f"{p}{x}1.weight"]), src.linear([f"{p}{x}2.weight"]), inner)
     heads, n = cfg.num_heads, cfg.head_dim
     weights = TimeMixWeights(
-        lerp=small("lerp_fused.weight").reshape(len(LERPS), cfg.hidden_size),
+        lerp=small("lerp_fused.weight").reshape(len(LERPS), 1, cfg.hidden_size),
         w0=small("w0.weight"), w1=small("w1.weight"), w2=small("w2.weight"), a0=small("a0.weight"),
         k_k=small("k_k.weight"), k_a=small("k_a.weight"), r_k=small("r_k.weight").reshape(-1),
         ln_weight=small("ln.weight"), ln_bias=small("ln.bias"), v0=None if layer == 0 else small("v0.weight"))
