@@ -1,7 +1,7 @@
 """Builds wallbreaker's C++ extension, `wallbreaker._C`: quantized matmul kernels over GGUF blocks,
 and paged attention.
 
-Five torch-facing files (ops.cpp, attention_ops.cpp, fused_ops.cpp, recurrent_ops.cpp,
+Six torch-facing files (ops.cpp, attention_ops.cpp, fused_ops.cpp, recurrent_ops.cpp, rwkv7_ops.cpp,
 decoder_plan.cpp; default flags), one file per kernel level and the dense path's decoding
 (dequant_avx512.cpp); the SIMD files set their instruction set with `#pragma GCC target` and include no torch header, so one build serves
 every x86-64 CPU and the level is chosen at run time (csrc/ops.cpp, docs/kernels.md). On aarch64,
@@ -32,7 +32,8 @@ setup(
             ["csrc/ops.cpp", "csrc/kernels_generic.cpp", "csrc/kernels_avx2.cpp", "csrc/kernels_avx512.cpp",
              "csrc/kernels_arm.cpp", "csrc/dequant_avx512.cpp",
              "csrc/attention_ops.cpp", "csrc/attention_generic.cpp", "csrc/attention_avx2.cpp",
-             "csrc/fused_ops.cpp", "csrc/recurrent_ops.cpp", "csrc/lora_ops.cpp", "csrc/decoder_plan.cpp"],
+             "csrc/fused_ops.cpp", "csrc/recurrent_ops.cpp", "csrc/rwkv7_ops.cpp", "csrc/lora_ops.cpp",
+             "csrc/decoder_plan.cpp"],
             extra_compile_args=["-O3", *openmp, "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized",
                                 *([] if x86 else ["-ffp-contract=off"])],
             extra_link_args=openmp,

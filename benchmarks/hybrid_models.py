@@ -75,23 +75,56 @@ def mamba_1_4b():
                        pad_token_id=0)
 
 
-# name -> the real model's config
-SHAPES = {"lfm2-350m": lfm2_350m, "granite-4.0-h-1b": granite_4_h_1b, "mamba-1.4b": mamba_1_4b}
+def blinkdl_lora_rank(hidden: int, exponent: float, multiplier: float) -> int:
+    """BlinkDL's RWKV-7 LoRA rank for width `hidden`: max(32, round(multiplier * hidden ** exponent / 32)
+    * 32), as RWKV-LM's RWKV-v7 train_temp/src/model.py sizes D_DECAY_LORA (0.5, 1.8), D_AAA_LORA
+    (0.5, 1.8), D_MV_LORA (0.5, 1.3) and D_GATE_LORA (0.8, 0.6) and as llama.cpp's converter fills in a
+    config's missing ranks (conversion/rwkv.py `calc_lora_rank`). PyPI `rwkv` has no formula: it takes
+    the ranks from the weights' shapes."""
+    return max(32, int(round(multiplier * hidden ** exponent / 32) * 32))
+
+
+def rwkv7_1_5b():
+    """RWKV7-Goose World 1.5B's shape (fla-hub/rwkv7-1.5B-world; issue 51 item 5): 24 layers of width
+    2048, heads of 64 (32 heads), FFN 8192 (4x, sqrelu), vocabulary 65536 (the World tokenizer's 65529
+    tokens, `<s>` and padding), head untied; LoRA ranks decay 96, a 96, v 64, gate 256 from
+    `blinkdl_lora_rank` (RWKV/RWKV7-Goose-World3-1.5B-HF's config.json, as quoted in public code, has
+    the same decay/a/v/gate_low_rank_dim). Not a transformers model: tests/tiny_rwkv7.py writes it in
+    fla-hub's layout, float32 (6 GB, saved without a copy)."""
+    from tiny_rwkv7 import Rwkv7Shape
+    hidden = 2048
+    ranks = {"w": blinkdl_lora_rank(hidden, 0.5, 1.8), "a": blinkdl_lora_rank(hidden, 0.5, 1.8),
+             "v": blinkdl_lora_rank(hidden, 0.5, 1.3), "g": blinkdl_lora_rank(hidden, 0.8, 0.6)}
+    return Rwkv7Shape(hidden=hidden, head=64, layers=24, ffn=8192, ranks=ranks, vocab=65536)
+
+
+# name -> the real model's config (a transformers config, or an RWKV7_SHAPES shape)
+SHAPES = {"lfm2-350m": lfm2_350m, "granite-4.0-h-1b": granite_4_h_1b, "mamba-1.4b": mamba_1_4b,
+          "rwkv7-1.5b": rwkv7_1_5b}
+RWKV7_SHAPES = {"rwkv7-1.5b"}
+
+
+def save_hf_folder(name: str, folder: Path) -> Path:
+    """The random-weight Hugging Face folder of `name`: transformers' own init, or tiny_rwkv7's builder."""
+    if name in RWKV7_SHAPES:
+        from tiny_rwkv7 import save_tiny_rwkv7
+        hf, _ = save_tiny_rwkv7(folder, SHAPES[name](), reference=False)
+        return hf
+    from tiny_mamba import save_model
+    torch.manual_seed(0)
+    return save_model(SHAPES[name](), folder)
 
 
 def build(name: str, out_dir: Path, outtype: str = "q8_0") -> Path:
     """`out_dir/<name>-<outtype>.gguf`, made once (the HF folder beside it is removed after)."""
     from llamacpp_converter import convert, converter_dir
-    from tiny_mamba import save_model
 
     from wallbreaker.formats.packaged import cache_dir
     gguf = out_dir / f"{name}-{outtype}.gguf"
     if gguf.is_file():
         return gguf
     folder = out_dir / f"{name}-hf"
-    torch.manual_seed(0)
-    save_model(SHAPES[name](), folder)
-    convert(converter_dir(cache_dir()), folder, outtype, gguf)
+    convert(converter_dir(cache_dir()), save_hf_folder(name, folder), outtype, gguf)
     shutil.rmtree(folder)
     return gguf
 

@@ -446,6 +446,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wkv7_step", &wkv7_step, "RWKV-7's WKV update over a few tokens of each sequence, from slot src to slots dst",
         py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("r"), py::arg("w"), py::arg("k"), py::arg("v"),
         py::arg("a"), py::arg("b"));
+  m.def("rwkv7_mix", &rwkv7_mix, "RWKV-7's decay, key, value and WKV a, b of T rows, as one [5, T, C] tensor",
+        py::arg("k"), py::arg("v"), py::arg("w_low"), py::arg("a_low"), py::arg("v_low"), py::arg("v_first"),
+        py::arg("w0"), py::arg("a0"), py::arg("v0"), py::arg("k_k"), py::arg("k_a"), py::arg("head_size"));
+  m.def("rwkv7_out", &rwkv7_out, "RWKV-7's group norm, bonus and gate after the WKV update, [T, C]", py::arg("y"),
+        py::arg("r"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("ln_w"), py::arg("ln_b"), py::arg("r_k"),
+        py::arg("head_size"), py::arg("eps"));
   m.def("lora_add_", &lora_add_, "y[t] += B_s A_s x[t] for each row's LoRA adapter slot s (0: none)", py::arg("y"),
         py::arg("x"), py::arg("a"), py::arg("b_t"), py::arg("slots"), py::arg("width"));
 }

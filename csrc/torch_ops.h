@@ -34,6 +34,14 @@ torch::Tensor delta_step(torch::Tensor pool, torch::Tensor src, torch::Tensor ds
 torch::Tensor wkv7_step(torch::Tensor pool, torch::Tensor src, torch::Tensor dst, torch::Tensor r, torch::Tensor w,
                         torch::Tensor k, torch::Tensor v, torch::Tensor a, torch::Tensor b);
 
+// rwkv7_ops.cpp
+torch::Tensor rwkv7_mix(torch::Tensor k, torch::Tensor v, torch::Tensor w_low, torch::Tensor a_low,
+                        c10::optional<torch::Tensor> v_low, c10::optional<torch::Tensor> v_first, torch::Tensor w0,
+                        torch::Tensor a0, c10::optional<torch::Tensor> v0, torch::Tensor k_k, torch::Tensor k_a,
+                        int64_t head_size);
+torch::Tensor rwkv7_out(torch::Tensor y, torch::Tensor r, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                        torch::Tensor ln_w, torch::Tensor ln_b, torch::Tensor r_k, int64_t head_size, double eps);
+
 // fused_ops.cpp
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& w, double eps);
 torch::Tensor gated_act(const torch::Tensor& gate_up, const std::string& act);

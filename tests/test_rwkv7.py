@@ -186,6 +186,31 @@ def test_wkv7_torch_step_is_the_cpp_one():
     torch.testing.assert_close(pool[2], s[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head", [32, 20])  # 20: a row of 60, the vector loop's scalar tail
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_rwkv7_mix_and_out_are_the_pytorch_formulas(kernel_level, head, first_layer):
+    """The C++ elementwise ops around the WKV update against the PyTorch formulas they replaced
+    (layers/rwkv7.py's docstring); layer 0 keeps its own value, the others mix in v_first."""
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    rows, heads = 5, 3
+    C = heads * head
+    k, v, w_low, a_low, v_low, v_first, y, r, g = (torch.randn(rows, C) for _ in range(9))
+    w0, a0, v0, k_k, k_a, ln_w, ln_b, r_k = (torch.randn(C) for _ in range(8))
+    residual = (None, None, None) if first_layer else (v_low, v_first, v0)
+    got = _C.rwkv7_mix(k, v, w_low, a_low, *residual[:2], w0, a0, residual[2], k_k, k_a, head)
+    a = torch.sigmoid(a0 + a_low)
+    kk = F.normalize((k * k_k).view(rows, heads, head), dim=-1, eps=1e-12).view(rows, C)
+    mixed = v if first_layer else v + (v_first - v) * torch.sigmoid(v0 + v_low)
+    want = (torch.exp(-0.606531 * torch.sigmoid(w0 + w_low)), k * (1 + (a - 1) * k_a), mixed, -kk, kk * a)
+    for name, x, expected in zip(("decay", "k", "v", "a", "b"), got, want):
+        torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5, msg=name)
+    out = _C.rwkv7_out(y, r, k, v, g, ln_w, ln_b, r_k, head, 64e-5)
+    bonus = (r * k * r_k).view(rows, heads, head).sum(-1, keepdim=True) * v.view(rows, heads, head)
+    expected = (F.group_norm(y, heads, ln_w, ln_b, 64e-5) + bonus.view(rows, C)) * g
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 # -- the engine -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def make(folder):

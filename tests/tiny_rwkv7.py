@@ -4,9 +4,12 @@ converter reads), with SmolLM2's tokenizer (as wallbreaker writes it); and that 
 place of the RWKV World one it writes, so that the folder (SmolLM2's tokenizer.json) and the GGUF encode alike
 (the World tokenizer itself: tests/test_rwkv_world_tokenizer.py).
 
-The BlinkDL -> fla mapping is this file's own; the reference's numbers come from `rwkv`'s forward."""
+The BlinkDL -> fla mapping is this file's own; the reference's numbers come from `rwkv`'s forward. Every
+builder takes an `Rwkv7Shape` (the tiny one by default), so benchmarks/hybrid_models.py makes a real-shape
+model with the same code the tests check."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -17,31 +20,47 @@ from tiny_recurrent import VOCAB
 
 HIDDEN, HEAD, LAYERS, FFN = 64, 32, 2, 128
 RANKS = {"w": 16, "a": 16, "v": 8, "g": 32}  # decay, in-context learning rate, value residual, gate
-VOCAB_FILE = "rwkv_vocab_v20230424.txt"  # the converter requires it; it writes its first VOCAB - 1 lines
+VOCAB_FILE = "rwkv_vocab_v20230424.txt"  # the converter requires it; it writes its first vocab - 1 lines
 
 
-def blinkdl_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+@dataclasses.dataclass(frozen=True)
+class Rwkv7Shape:
+    """An RWKV-7's sizes: width, head size, layers, FFN width, LoRA ranks (keys of RANKS), vocabulary."""
+    hidden: int = HIDDEN
+    head: int = HEAD
+    layers: int = LAYERS
+    ffn: int = FFN
+    ranks: dict[str, int] = dataclasses.field(default_factory=lambda: dict(RANKS))
+    vocab: int = VOCAB
+
+
+TINY = Rwkv7Shape()
+
+
+def blinkdl_state_dict(seed: int = 0, shape: Rwkv7Shape = TINY,
+                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Random weights in BlinkDL's names and shapes, at magnitudes like a trained model's (decays in
-    (0, 1) spread out, mixes in [0, 1], a normalized key's scale near 1)."""
+    (0, 1) spread out, mixes in [0, 1], a normalized key's scale near 1). Each tensor is drawn in float32
+    and then cast to `dtype`, so a large shape in bfloat16 never holds its float32 copy whole."""
     g = torch.Generator().manual_seed(seed)
-    C, H, N = HIDDEN, HIDDEN // HEAD, HEAD
+    C, H, N, FFN = shape.hidden, shape.hidden // shape.head, shape.head, shape.ffn
 
-    def rand(*shape, scale=1.0, shift=0.0):
-        return torch.randn(*shape, generator=g) * scale + shift
+    def rand(*size, scale=1.0, shift=0.0):
+        return (torch.randn(*size, generator=g) * scale + shift).to(dtype)
 
-    def unit(*shape):
-        return torch.rand(*shape, generator=g)
+    def unit(*size):
+        return torch.rand(*size, generator=g).to(dtype)
 
-    sd = {"emb.weight": rand(VOCAB, C, scale=0.5), "head.weight": rand(VOCAB, C, scale=0.2),
+    sd = {"emb.weight": rand(shape.vocab, C, scale=0.5), "head.weight": rand(shape.vocab, C, scale=0.2),
           "ln_out.weight": rand(C, scale=0.1, shift=1.0), "ln_out.bias": rand(C, scale=0.1),
           "blocks.0.ln0.weight": rand(C, scale=0.1, shift=1.0), "blocks.0.ln0.bias": rand(C, scale=0.1)}
-    for i in range(LAYERS):
+    for i in range(shape.layers):
         b, att, ffn = f"blocks.{i}.", f"blocks.{i}.att.", f"blocks.{i}.ffn."
         for ln in ("ln1", "ln2"):
             sd[b + ln + ".weight"], sd[b + ln + ".bias"] = rand(C, scale=0.1, shift=1.0), rand(C, scale=0.1)
         for x in "rwkvag":
             sd[att + "x_" + x] = unit(1, 1, C)
-        for x, rank in RANKS.items():
+        for x, rank in shape.ranks.items():
             if x == "v" and i == 0:
                 continue  # the first layer's value is v_first itself
             sd[att + x + "1"], sd[att + x + "2"] = rand(C, rank, scale=0.3), rand(rank, C, scale=0.3)
@@ -57,13 +76,13 @@ def blinkdl_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
-def fla_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fla_state_dict(sd: dict[str, torch.Tensor], shape: Rwkv7Shape = TINY) -> dict[str, torch.Tensor]:
     """BlinkDL's names -> fla-hub's (LoRA pairs as nn.Linear weights, their bias the x0 vector)."""
     out = {"model.embeddings.weight": sd["emb.weight"], "lm_head.weight": sd["head.weight"],
            "model.norm.weight": sd["ln_out.weight"], "model.norm.bias": sd["ln_out.bias"],
            "model.layers.0.pre_norm.weight": sd["blocks.0.ln0.weight"],
            "model.layers.0.pre_norm.bias": sd["blocks.0.ln0.bias"]}
-    for i in range(LAYERS):
+    for i in range(shape.layers):
         b, att, ffn, m = f"blocks.{i}.", f"blocks.{i}.att.", f"blocks.{i}.ffn.", f"model.layers.{i}."
         for ours, theirs in (("attn_norm", "ln1"), ("ffn_norm", "ln2"), ("attn.g_norm", "att.ln_x")):
             out[f"{m}{ours}.weight"], out[f"{m}{ours}.bias"] = sd[b + theirs + ".weight"], sd[b + theirs + ".bias"]
@@ -85,34 +104,39 @@ def fla_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def fla_config() -> dict:
+def fla_config(shape: Rwkv7Shape = TINY) -> dict:
     """config.json as fla-hub writes it for RWKV7ForCausalLM."""
-    return {"architectures": ["RWKV7ForCausalLM"], "model_type": "rwkv7", "vocab_size": VOCAB,
-            "hidden_size": HIDDEN, "head_dim": HEAD, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
-            "hidden_act": "sqrelu", "norm_eps": 1e-5, "norm_bias": True, "norm_first": True,
-            "decay_low_rank_dim": RANKS["w"], "a_low_rank_dim": RANKS["a"], "v_low_rank_dim": RANKS["v"],
-            "gate_low_rank_dim": RANKS["g"], "tie_word_embeddings": False, "attn_mode": "chunk",
-            "bos_token_id": 1, "eos_token_id": 2, "value_dim": [HIDDEN] * LAYERS, "fuse_norm": False}
+    r = shape.ranks
+    return {"architectures": ["RWKV7ForCausalLM"], "model_type": "rwkv7", "vocab_size": shape.vocab,
+            "hidden_size": shape.hidden, "head_dim": shape.head, "num_hidden_layers": shape.layers,
+            "intermediate_size": shape.ffn, "hidden_act": "sqrelu", "norm_eps": 1e-5, "norm_bias": True,
+            "norm_first": True, "decay_low_rank_dim": r["w"], "a_low_rank_dim": r["a"], "v_low_rank_dim": r["v"],
+            "gate_low_rank_dim": r["g"], "tie_word_embeddings": False, "attn_mode": "chunk",
+            "bos_token_id": 1, "eos_token_id": 2, "value_dim": [shape.hidden] * shape.layers, "fuse_norm": False}
 
 
-def save_tiny_rwkv7(out: Path) -> tuple[Path, Path]:
-    """(the fla-layout folder, BlinkDL's `.pth` path without its suffix, as `rwkv.model.RWKV` takes it)."""
+def save_tiny_rwkv7(out: Path, shape: Rwkv7Shape = TINY, dtype: torch.dtype = torch.float32,
+                    reference: bool = True) -> tuple[Path, Path]:
+    """(the fla-layout folder, BlinkDL's `.pth` path without its suffix, as `rwkv.model.RWKV` takes it;
+    written only with `reference`: a real shape's is gigabytes no benchmark reads)."""
     from safetensors.torch import save_file
     folder, pth = out / "hf", out / "blinkdl"
     if not (folder / "config.json").is_file():
         out.mkdir(parents=True, exist_ok=True)
-        sd = blinkdl_state_dict()
-        torch.save(sd, str(pth) + ".pth")
+        sd = blinkdl_state_dict(shape=shape, dtype=dtype)
+        if reference:
+            torch.save(sd, str(pth) + ".pth")
         tmp = out / "hf.partial"
         tmp.mkdir(parents=True)
-        save_file(fla_state_dict(sd), str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(fla_config(), indent=2))
+        save_file(fla_state_dict(sd, shape), str(tmp / "model.safetensors"))
+        del sd
+        (tmp / "config.json").write_text(json.dumps(fla_config(shape), indent=2))
         from wallbreaker.formats.gguf_model import read_gguf_model
         from wallbreaker.formats.packaged import packaged_model_path
         read_gguf_model(packaged_model_path("smollm2")).tokenizer.save_hf(tmp)  # far faster than transformers'
         import rwkv
         lines = (Path(rwkv.__file__).parent / VOCAB_FILE).read_text(encoding="utf-8").splitlines(keepends=True)
-        (tmp / VOCAB_FILE).write_text("".join(lines[:VOCAB - 1]), encoding="utf-8")
+        (tmp / VOCAB_FILE).write_text("".join(lines[:shape.vocab - 1]), encoding="utf-8")
         tmp.rename(folder)
     return folder, pth
 

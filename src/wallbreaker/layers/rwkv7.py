@@ -14,6 +14,10 @@ xx = x_prev - x:
 
 and the channel mix: k = x + xx * mix_k; out = V relu(K k)^2.
 
+The elementwise work between the low-rank pairs and the WKV update (decay, rate, kk, k, v, a, b),
+and after it (group norm, bonus, gate), is one C++ op each (`_C.rwkv7_mix`, `_C.rwkv7_out`): at
+decode its ~30 small PyTorch ops a layer cost more in dispatch than in arithmetic.
+
 Three states per sequence, float32: the time mix's last input [1, hidden], S [heads, N, N], the
 channel mix's last input [1, hidden]. The WKV update runs in C++ (`_C.wkv7_step`): on the pool itself
 for decode, verification and prompt spans up to MAX_STEP_TOKENS, from a copy of the state for longer
@@ -34,10 +38,10 @@ from .recurrent import scan_spans
 
 _conv_step = _C.conv_step
 _wkv7_step = _C.wkv7_step
+_rwkv7_mix = _C.rwkv7_mix
+_rwkv7_out = _C.rwkv7_out
 
-DECAY_SCALE = -0.606531  # -exp(-0.5)
 GROUP_NORM_EPS = 64e-5  # llama.cpp's and BlinkDL's, whatever the head size
-L2_EPS = 1e-12
 
 
 class LayerNorm(DirectModule):
@@ -47,10 +51,11 @@ class LayerNorm(DirectModule):
         super().__init__()
         self.register_buffer("weight", weight.float(), persistent=False)
         self.register_buffer("bias", bias.float(), persistent=False)
-        self.eps = eps
+        self.eps, self._shape = eps, tuple(weight.shape)
+        self._weight, self._bias = self.weight, self.bias  # read on every call: plain attributes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), self.weight.shape, self.weight, self.bias, self.eps)
+        return torch.layer_norm(x.float(), self._shape, self._weight, self._bias, self.eps)
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         if delta is not None:
@@ -89,25 +94,34 @@ class TokenShift(DirectModule):
 
 @dataclass
 class TimeMixWeights:
-    """A time mix's float32 vectors and low-rank pairs (the four projections are modules of their own)."""
+    """A time mix's float32 vectors and its decay's low-rank pair, which llama.cpp's converter keeps in
+    float32 (the other pairs, quantized like the projections, are `LowRank` modules)."""
 
-    lerp: torch.Tensor  # [6, hidden]: r, w, k, v, a, g
+    lerp: torch.Tensor  # [6, 1, hidden]: r, w, k, v, a, g
     w0: torch.Tensor
     w1: torch.Tensor  # [rank, hidden]
     w2: torch.Tensor  # [hidden, rank]
     a0: torch.Tensor
-    a1: torch.Tensor
-    a2: torch.Tensor
-    g1: torch.Tensor
-    g2: torch.Tensor
     k_k: torch.Tensor
     k_a: torch.Tensor
-    r_k: torch.Tensor  # [heads, N]
+    r_k: torch.Tensor  # [hidden]: [heads, N] flattened
     ln_weight: torch.Tensor
     ln_bias: torch.Tensor
-    v0: torch.Tensor | None = None  # the value residual's pair; None in layer 0
-    v1: torch.Tensor | None = None
-    v2: torch.Tensor | None = None
+    v0: torch.Tensor | None = None  # the value residual's bias; None in layer 0
+
+
+class LowRank(DirectModule):
+    """A low-rank pair as two linear modules (`down` [rank, hidden], `up` [hidden, rank]), so a quantized
+    file's pair runs in its stored blocks, as llama.cpp runs it, rather than read as float32 at four
+    times the bytes each token; `inner` is applied between them."""
+
+    def __init__(self, down: nn.Module, up: nn.Module, inner=None):
+        super().__init__()
+        self.down, self.up, self.inner = down, up, inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(x).float()
+        return self.up(h if self.inner is None else self.inner(h)).float()
 
 
 class ValueFirst:
@@ -149,34 +163,33 @@ class WKV7:
 
 class TimeMix(DirectModule):
     def __init__(self, heads: int, head_size: int, r: nn.Module, k: nn.Module, v: nn.Module, o: nn.Module,
-                 w: TimeMixWeights, first: ValueFirst):
+                 w: TimeMixWeights, a_lora: LowRank, g_lora: LowRank, v_lora: LowRank | None, first: ValueFirst):
         super().__init__()
         self.heads, self.n = heads, head_size
         self.r_proj, self.k_proj, self.v_proj, self.o_proj = r, k, v, o
+        self.a_lora, self.g_lora, self.v_lora = a_lora, g_lora, v_lora  # v_lora: None in layer 0
         self.w, self.first = w, first
         self.shift = TokenShift(heads * head_size)
 
     def forward(self, x: torch.Tensor, meta, shift_pool: torch.Tensor, wkv_pool: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (after the layer's first norm) -> [T, hidden]."""
         w, rows = self.w, x.shape[0]
-        mixed = x + (self.shift(x, meta, shift_pool) - x) * w.lerp[:, None]  # [6, T, hidden]
+        mixed = torch.addcmul(x, self.shift(x, meta, shift_pool) - x, w.lerp)  # [6, T, hidden]
         xr, xw, xk, xv, xa, xg = mixed.unbind(0)
         r, k, v = self.r_proj(xr).float(), self.k_proj(xk).float(), self.v_proj(xv).float()
-        decay = torch.exp(DECAY_SCALE * torch.sigmoid(w.w0 + F.linear(torch.tanh(F.linear(xw, w.w1)), w.w2)))
-        a = torch.sigmoid(w.a0 + F.linear(F.linear(xa, w.a1), w.a2))
-        g = F.linear(torch.sigmoid(F.linear(xg, w.g1)), w.g2)
-        kk = F.normalize((k * w.k_k).view(rows, self.heads, self.n), dim=-1, eps=L2_EPS)
-        k = k * (1 + (a - 1) * w.k_a)
-        if w.v0 is None:
+        w_low = F.linear(torch.tanh(F.linear(xw, w.w1)), w.w2)
+        if self.v_lora is None:
             self.first.v = v
+            residual = (None, None, None)
         else:
-            v = v + (self.first.v - v) * torch.sigmoid(w.v0 + F.linear(F.linear(xv, w.v1), w.v2))
-        heads = (rows, self.heads, self.n)
-        r, k, v = r.view(heads), k.view(heads), v.view(heads)
-        y = WKV7.forward((r, decay.view(heads), k, v, -kk, kk * a.view(heads)), meta, wkv_pool)
-        y = F.group_norm(y.reshape(rows, -1), self.heads, w.ln_weight, w.ln_bias, GROUP_NORM_EPS)
-        y = y + ((r * k * w.r_k).sum(-1, keepdim=True) * v).reshape(rows, -1)
-        return self.o_proj(y * g)
+            residual = (self.v_lora(xv), self.first.v, w.v0)
+        v_low, v_first, v0 = residual
+        mixed = _rwkv7_mix(k, v, w_low, self.a_lora(xa), v_low, v_first, w.w0, w.a0, v0, w.k_k, w.k_a, self.n)
+        decay, k, v, a, b = mixed.view(5, rows, self.heads, self.n).unbind(0)  # [T, heads, N] each
+        y = WKV7.forward((r.view(rows, self.heads, self.n), decay, k, v, a, b), meta, wkv_pool)
+        y = _rwkv7_out(y.reshape(rows, -1), r, k.reshape(rows, -1), v.reshape(rows, -1), self.g_lora(xg),
+                       w.ln_weight, w.ln_bias, w.r_k, self.n, GROUP_NORM_EPS)
+        return self.o_proj(y)
 
 
 class ChannelMix(DirectModule):
@@ -187,5 +200,6 @@ class ChannelMix(DirectModule):
         self.shift = TokenShift(hidden)
 
     def forward(self, x: torch.Tensor, meta, shift_pool: torch.Tensor) -> torch.Tensor:
-        k = x + (self.shift(x, meta, shift_pool) - x) * self.lerp_k
-        return self.value(torch.relu(self.key(k).float()).square())
+        k = torch.addcmul(x, self.shift(x, meta, shift_pool) - x, self.lerp_k)
+        h = torch.relu_(self.key(k).float())  # the key's output is the step's own: changed in place
+        return self.value(h.mul_(h))

@@ -9,7 +9,7 @@ from ..config import ModelConfig
 from ..formats.rwkv7 import LERPS
 from ..layers.attention import AttentionMetadata
 from ..layers.recurrent import RecurrentMixer
-from ..layers.rwkv7 import ChannelMix, LayerNorm, TimeMix, TimeMixWeights, ValueFirst
+from ..layers.rwkv7 import ChannelMix, LayerNorm, LowRank, TimeMix, TimeMixWeights, ValueFirst
 from .base import CausalLM
 from .source import WeightSource
 
@@ -19,22 +19,25 @@ def layer_norm(src: WeightSource, name: str, eps: float) -> LayerNorm:
 
 
 def time_mix(cfg: ModelConfig, layer: int, src: WeightSource, first: ValueFirst) -> TimeMix:
-    """Layer `layer`'s time mix: its four projections through `src.linear`, the rest float32 (canonical
+    """Layer `layer`'s time mix: its four projections and the a, g and v low-rank pairs through
+    `src.linear`, the decay's pair (float32 in llama.cpp's files) and the vectors float32 (canonical
     names and layouts: formats/rwkv7.py)."""
     p = f"blk.{layer}.time_mix_"
 
     def small(name: str) -> torch.Tensor:
         return src.tensor(p + name).float()
+
+    def low_rank(x: str, inner=None) -> LowRank:
+        return LowRank(src.linear([f"{p}{x}1.weight"]), src.linear([f"{p}{x}2.weight"]), inner)
     heads, n = cfg.num_heads, cfg.head_dim
-    value_pair = {} if layer == 0 else {f"v{j}": small(f"v{j}.weight") for j in range(3)}
     weights = TimeMixWeights(
-        lerp=small("lerp_fused.weight").reshape(len(LERPS), cfg.hidden_size),
-        **{f"{x}{j}": small(f"{x}{j}.weight") for x in "wa" for j in range(3)},
-        g1=small("g1.weight"), g2=small("g2.weight"), k_k=small("k_k.weight"), k_a=small("k_a.weight"),
-        r_k=small("r_k.weight").reshape(heads, n), ln_weight=small("ln.weight"), ln_bias=small("ln.bias"),
-        **value_pair)
+        lerp=small("lerp_fused.weight").reshape(len(LERPS), 1, cfg.hidden_size),
+        w0=small("w0.weight"), w1=small("w1.weight"), w2=small("w2.weight"), a0=small("a0.weight"),
+        k_k=small("k_k.weight"), k_a=small("k_a.weight"), r_k=small("r_k.weight").reshape(-1),
+        ln_weight=small("ln.weight"), ln_bias=small("ln.bias"), v0=None if layer == 0 else small("v0.weight"))
     proj = [src.linear([f"{p}{name}.weight"]) for name in ("receptance", "key", "value", "output")]
-    return TimeMix(heads, n, *proj, weights, first)
+    return TimeMix(heads, n, *proj, weights, low_rank("a"), low_rank("g", torch.sigmoid),
+                   None if layer == 0 else low_rank("v"), first)
 
 
 class Rwkv7Layer(RecurrentMixer):
