@@ -342,6 +342,20 @@ def test_a_lone_token_takes_dispatchs_bits(folder, dtype):
     assert torch.equal(mlp(x), dispatch(x, *mlp.route(x), mlp.num_experts, mlp.expert))
 
 
+def test_the_roofline_counts_only_the_active_experts(folder):
+    """`wallbreaker roofline` and bench's roofline share: a decode token reads top_k of the experts, not
+    all of them (counted whole, the bound falls below what the engine does)."""
+    from wallbreaker.measure.roofline import decode_cost_of, module_bytes
+    model = make_llm(folder, dtype="float32").model
+    cfg = model.config
+    experts = [e for layer in model.layers for e in (*layer.mlp.gate_up, *layer.mlp.down)]
+    cost = decode_cost_of(model, torch.float32)
+    assert cost.experts == (cfg.num_experts, cfg.num_experts_per_tok) and cfg.num_experts_per_tok < cfg.num_experts
+    assert cost.expert_bytes == sum(module_bytes(e) for e in experts) > 0
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    assert cost.bytes_per_step(1, 0) == pytest.approx(cost.weight_bytes - cost.expert_bytes * (1 - share) + cost.row_bytes)
+
+
 def test_tensor_parallelism_is_refused(folder):
     with pytest.raises(Exception, match="tensor parallelism"):
         LLM(str(folder), tensor_parallel_size=2)

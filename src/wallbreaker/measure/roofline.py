@@ -172,9 +172,10 @@ def model_cost(cfg: "ModelConfig", weight_bytes: int, table_bytes: int, kv_dtype
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
-    """Every expert's projections (models/moe.py's SparseMoE.gate_up and .down)."""
-    from ..models.moe import SparseMoE
-    return [e for m in model.modules() if isinstance(m, SparseMoE) for e in (*m.gate_up, *m.down)]
+    """Every expert's projections: those of a mixture with `num_experts` and per-expert `gate_up` and
+    `down` lists (models/moe.py's SparseMoE, models/gpt_oss.py's GptOssMoE)."""
+    return [e for m in model.modules() if hasattr(m, "num_experts") and isinstance(getattr(m, "gate_up", None), nn.ModuleList)
+            for e in (*m.gate_up, *m.down)]
 
 
 def decode_cost_of(model: nn.Module, kv_dtype: torch.dtype) -> DecodeCost:
