@@ -4,17 +4,16 @@ token at a time from the saved state (two sequences a step); every state is read
 written to others, slot 0 staying zero."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from tiny_mamba import mamba2_config, save_model
-from tiny_recurrent import load_reference
+from tiny_recurrent import assert_mixer_close as assert_close, load_reference
+from tiny_recurrent import mixer_reference_output as reference_output, run_mixer as run
 from wallbreaker.formats.hf_model import read_hf_folder
 from wallbreaker.layers.mamba2 import Mamba2Mixer
 from wallbreaker.models.mamba2 import mamba2_mixer
-from wallbreaker.layers.recurrent import StateMetadata, StateSpan
+from wallbreaker.layers.recurrent import StateSpan
 from wallbreaker.models.source import WeightSource
 
 LENGTH = 21  # three SSD chunks of 8 (the tiny model's chunk_size), the last one partial
@@ -36,20 +35,6 @@ def mixers(request, tmp_path_factory, recurrent_folder):
     ours.state = [torch.zeros(SLOTS, *shape) for shape in ours.state_shapes()]
     ours.in_pool = request.param != "torch-step"
     return ours, load_reference(folder).backbone.layers[0].mixer
-
-
-def run(mixer: Mamba2Mixer, x: torch.Tensor, spans: list[StateSpan]) -> torch.Tensor:
-    return mixer(x, SimpleNamespace(state=StateMetadata(spans)))
-
-
-def reference_output(theirs, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return theirs(x[None])[0]
-
-
-def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    assert ours.shape == theirs.shape
-    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-5
 
 
 def inputs(seed: int, length: int = LENGTH) -> torch.Tensor:

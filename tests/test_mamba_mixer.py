@@ -4,14 +4,13 @@ the same weights, token by token from saved states: through the C++ forms on the
 with a save after each (a verification step); every state read from one slot and written to others."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from tiny_recurrent import load_reference
+from tiny_recurrent import assert_mixer_close as assert_close, load_reference
+from tiny_recurrent import mixer_reference_output as reference_output, run_mixer as run
 from wallbreaker.formats.hf_model import read_hf_folder
-from wallbreaker.layers.recurrent import StateMetadata, StateSpan
+from wallbreaker.layers.recurrent import StateSpan
 from wallbreaker.models.mamba import mamba_mixer
 from wallbreaker.models.source import WeightSource
 
@@ -30,20 +29,6 @@ def mixers(request, recurrent_folder):
     ours.state = [torch.zeros(SLOTS, *shape) for shape in ours.state_shapes()]
     ours.in_pool = in_pool
     return ours, load_reference(folder).backbone.layers[0].mixer, files.config.hidden_size
-
-
-def run(mixer, x: torch.Tensor, spans: list[StateSpan]) -> torch.Tensor:
-    return mixer(x, SimpleNamespace(state=StateMetadata(spans)))
-
-
-def reference_output(theirs, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return theirs(x[None])[0]
-
-
-def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    assert ours.shape == theirs.shape
-    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-5
 
 
 def inputs(seed: int, hidden: int) -> torch.Tensor:

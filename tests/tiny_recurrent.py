@@ -151,3 +151,22 @@ def holds_only_checkpoints(llm: LLM) -> bool:
     """Once every request is done, the only state slots taken are the prefix cache's checkpoints."""
     stats = llm.stats()
     return stats["state_slots_used"] == stats["state_checkpoints"]
+
+
+def run_mixer(mixer, x: torch.Tensor, spans: list) -> torch.Tensor:
+    """A recurrent mixer over rows `x` with these StateSpans as its step's state metadata."""
+    from types import SimpleNamespace
+    from wallbreaker.layers.recurrent import StateMetadata
+    return mixer(x, SimpleNamespace(state=StateMetadata(spans)))
+
+
+def mixer_reference_output(theirs, x: torch.Tensor) -> torch.Tensor:
+    """transformers' mixer over the rows `x` as one sequence."""
+    with torch.no_grad():
+        return theirs(x[None])[0]
+
+
+def assert_mixer_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Within 1e-5 of the reference's largest magnitude."""
+    assert ours.shape == theirs.shape
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-5

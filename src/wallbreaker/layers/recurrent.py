@@ -139,9 +139,9 @@ def _scan_in_pool(meta: StateMetadata, pool: list[torch.Tensor], inputs: tuple[t
 
     if meta.one_token_each:
         src, dst = meta.slots(device)
-        if "logged" not in meta._memo:
+        if logs and "logged" not in meta._memo:
             meta._memo["logged"] = meta.logged(meta.spans, device)
-        return run(tuple(x[:, None] for x in inputs), src, dst[:, None], meta._memo["logged"])
+        return run(tuple(x[:, None] for x in inputs), src, dst[:, None], meta._memo.get("logged"))
     groups = meta._memo.get("groups")
     if groups is None:  # per span length: (rows [B * T], src [B], dst [B, T], logged), shared by every layer
         by_length: dict[int, list[StateSpan]] = {}
