@@ -266,10 +266,9 @@ def kv_dtype(files: dict) -> list[str]:
 def kv_waste(files: dict) -> list[str]:
     name = "kv_waste_SmolLM2-135M-Instruct.Q4_1.json"
     d = files[name]
-    lines = ["| allocation | max waste | mean over steps | host | commit |", "| --- | --- | --- | --- | --- |"]
-    for k, v in d["summary"].items():
-        lines.append(f"| {k} | {v['max'] * 100:.1f}% | {v['mean'] * 100:.1f}% | {host(d.get('machine'))} | {commit_of(d)} |")
-    return lines + ["", f"File: {link(name)} (`python benchmarks/kv_waste.py`, {d['config']['num_requests']} requests)."]
+    cells = "; ".join(f"{k} {v['max'] * 100:.1f}% / {v['mean'] * 100:.1f}%" for k, v in d["summary"].items())
+    return [f"KV waste, max / mean over steps ({link(name)}, `python benchmarks/kv_waste.py`, {d['config']['num_requests']} "
+            f"requests; host {host(d.get('machine'))}, commit {commit_of(d)}): {cells}."]
 
 
 def prefix_disk(files: dict) -> list[str]:
@@ -316,6 +315,39 @@ def kernels_rows1(files: dict) -> list[str]:
             cells.append(f"{r['gbps']:.1f} ({r['gbps'] / v['bandwidth_gbps'] * 100:.0f}%)" if r else "")
         lines.append(f"| {cpu} (family/model {NR}), {level}, {v['threads']} threads, {v['bandwidth_gbps']:.1f} | "
                      + " | ".join(cells) + f" | {v['measured_at'][:10]} | {commit_of(files[name])} | {link(name)} |")
+    return lines
+
+
+def prefill_long(files: dict) -> list[str]:
+    """Issue 49: fresh prompts of 512 to 16k tokens, ours beside llama.cpp and ik_llama.cpp (its best -rtr)."""
+    lines = ["| model | host, kernels | tokens: ours tok/s (vs llama.cpp, vs ik_llama.cpp) | date | commit | command | file |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in sorted(n for n in files if n.startswith("prefill_long")):
+        for run in files[name]["runs"].values():
+            cells = []
+            for n, r in run["lengths"].items():
+                med = r["medians"]
+                vs = ", ".join(ratio(med["wallbreaker"], med[k]) if med.get(k) else "–" for k in ("llama.cpp", "ik_llama.cpp"))
+                chunked = r.get("chunked_ttft_over_one_pass")
+                cells.append(f"{int(n):,}: {r['medians']['wallbreaker']:,.1f} ({vs})"
+                             + (f", chunked TTFT {chunked:.2f}x one pass's" if chunked else ""))
+            lines.append(f"| {run['model']} | {host(run['machine'])} | {'; '.join(cells)} | {run['time'][:16].replace('T', ' ')} | "
+                         f"{commit_of(run)} | {command_of(run)} | {link(name)} |")
+    return lines
+
+
+def prefill_gemm(files: dict) -> list[str]:
+    """Issue 49: each format's prefill GEMM (512 rows) as a share of the int8 peak measured in the same run."""
+    lines = []
+    for name in sorted(n for n in files if n.startswith("prefill_gemm")):
+        for run in files[name]["runs"].values():
+            peaks = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in run["peaks_ops_per_s"].items() if v)
+            paths = [("tiles", "integer tiles")] + ([("dense", "dense path (AMX-BF16)")] if run["dense_path"] else [])
+            for key, label in paths:
+                cells = "; ".join(f"{r['format']} {r['shape'][0]}x{r['shape'][1]} {r[key + '_gops']:,.0f} "
+                                  f"({r[key + '_share_int8_peak'] * 100:.0f}%)" for r in run["rows"])
+                lines.append(f"- {link(name)}, {host(run['machine'])}, {label}, {run['rows'][0]['rows']} rows: GOP/s "
+                             f"(share of the {run['int8_peak']} int8 peak): {cells}. Peaks, GOP/s: {peaks}.")
     return lines
 
 
@@ -490,30 +522,26 @@ def serving(files: dict) -> list[str]:
                      f"{host(d.get('machine'))} | {commit_of(d)} | {link(name)} |")
     name = "throughput_SmolLM2-135M-Instruct.Q4_1.json"
     d = files[name]
+    levels = "; ".join(f"{r['concurrency']}: {r['gen_tokens_per_s']:.1f} / {r['ttft_s']['p50']:.1f}" for r in d["levels"])
     lines += ["", f"Continuous batching ({link(name)}, {d['config']['num_prompts']} requests, {d['config']['max_tokens']} tokens each; "
-              f"host {host(d.get('machine'))}, commit {commit_of(d)}):", "",
-              "| max_num_seqs | generated tokens/s | TTFT p50 s |", "| --- | --- | --- |"]
-    for r in d["levels"]:
-        lines.append(f"| {r['concurrency']} | {r['gen_tokens_per_s']:.1f} | {r['ttft_s']['p50']:.1f} |")
+              f"host {host(d.get('machine'))}, commit {commit_of(d)}), max_num_seqs: generated tokens/s / TTFT p50 s: {levels}."]
     return lines
 
 
 def speculative(files: dict) -> list[str]:
     name = "spec_exactness_float32.json"
     d = files[name]
-    lines = ["| method | K | prompts identical to plain greedy | acceptance | host | commit | file |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in d["results"]:
-        lines.append(f"| {r['method']} | {r['k']} | {r['prompts_identical']} / {r['prompts']} | {r['acceptance_rate']:.2f} | "
-                     f"{host(d.get('machine'))} | {commit_of(d)} | {link(name)} |")
-    lines += ["", "Speed where drafts are mostly rejected (case c: random words, T=1.2), decode tokens/s, median over prompts:", "",
-              "| variant | tokens/s | vs no speculation | host | commit | file |", "| --- | --- | --- | --- | --- | --- |"]
+    cells = "; ".join(f"{r['method']} K={r['k']}: {r['prompts_identical']} / {r['prompts']}, acceptance {r['acceptance_rate']:.2f}"
+                      for r in d["results"])
+    lines = [f"Prompts identical to plain greedy, and acceptance ({link(name)}, host {host(d.get('machine'))}, "
+             f"commit {commit_of(d)}): {cells}."]
     name = "speculative_case_c_backoff.json"
     d = files[name]
     base = median(next(r for r in d["results"] if r["variant"] == "no speculation")["decode_tokens_per_s"])
-    for r in d["results"]:
-        m = median(r["decode_tokens_per_s"])
-        lines.append(f"| {r['variant']} | {m:.1f} | {ratio(m, base)} | {host(d.get('machine'))} | {commit_of(d)} | {link(name)} |")
+    cells = "; ".join(f"{r['variant']} {median(r['decode_tokens_per_s']):.1f} ({ratio(median(r['decode_tokens_per_s']), base)})"
+                      for r in d["results"])
+    lines += ["", f"Where drafts are mostly rejected (case c: random words, T=1.2; {link(name)}, host {host(d.get('machine'))}, "
+              f"commit {commit_of(d)}), decode tokens/s, median over prompts (vs no speculation): {cells}."]
     return lines
 
 
@@ -541,7 +569,7 @@ def agent_turns(files: dict) -> list[str]:
 
 
 GENERATORS = {
-    "headline": headline, "speed": speed, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
+    "headline": headline, "speed": speed, "prefill_long": prefill_long, "prefill_gemm": prefill_gemm, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
     "recurrent_step": recurrent_step, "lora_batch": lora_batch, "vision": vision, "arm_mca": arm_mca, "arm_engine": arm_engine, "ab_checkouts": ab_checkouts, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,

@@ -395,6 +395,11 @@ std::vector<int64_t> tuning_choices(const std::string& knob) {
 // decoder_plan.cpp
 void bind_decoder_plan(py::module& m);
 
+// peak_probe.cpp
+namespace wb {
+double peak_ops(const std::string& kind, int64_t threads, double seconds, int64_t trials);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decoder_plan(m);
   m.def("qmatmul", &qmatmul, "y = x @ concat(W_i)^T over GGUF blocks", py::arg("x"), py::arg("weights"),
@@ -403,6 +408,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("qtypes"), py::arg("tile"), py::arg("chunk") = 0);
   m.def("dequant_bf16", &dequant_bf16, "rows [n0, n1) of GGUF blocks as bfloat16", py::arg("w"), py::arg("qtype"),
         py::arg("k"), py::arg("n0"), py::arg("n1"));
+  m.def("peak_ops", &wb::peak_ops, "ops/s of one multiply-accumulate loop ('vnni512', 'avx2', 'amx_int8', "
+        "'amx_bf16') on `threads` threads at once, best of `trials` runs of ~`seconds`; 0 where the CPU has none",
+        py::arg("kind"), py::arg("threads"), py::arg("seconds") = 0.2, py::arg("trials") = 3);
   m.def("dense_supported", &dense_supported, "whether this CPU runs qmatmul_dense (AVX-512 with BF16)");
   m.def("formats", &formats, "the kernels' format table (csrc/qformats.h)");
   m.def("set_generic_formats", &set_generic_formats, "formats sent to the generic level's kernel at every level",

@@ -51,10 +51,12 @@ class LlamaCpp:
     def available(self, name: str = "llama-bench") -> bool:
         return find_tool(name, self.directory) is not None
 
-    def bench(self, model: Path, prompt_tokens: int, gen_tokens: int, repetitions: int = 1) -> dict[str, float]:
-        """`llama-bench`: prefill tokens/s over `prompt_tokens` (ppN) and decode tokens/s of `gen_tokens` (tgN)."""
+    def bench(self, model: Path, prompt_tokens: int, gen_tokens: int, repetitions: int = 1,
+              extra: tuple[str, ...] = ()) -> dict[str, float]:
+        """`llama-bench`: prefill tokens/s over `prompt_tokens` (ppN) and decode tokens/s of `gen_tokens` (tgN);
+        `extra` flags go to the tool as given (ik_llama.cpp's `-rtr 1`)."""
         cmd = [str(self.tool("llama-bench")), "-m", str(model), "-p", str(prompt_tokens), "-n", str(gen_tokens),
-               "-t", str(self.threads), "-r", str(repetitions), "-o", "json"]
+               "-t", str(self.threads), "-r", str(repetitions), "-o", "json", *extra]
         rows = json.loads(_run(cmd, self.timeout_s).stdout)
         out = {}
         for row in rows:
