@@ -40,9 +40,19 @@ def ours_rate(llm, n: int, tag: str) -> float:
     return n / out.metrics["ttft_s"]
 
 
-def their_rate(tool: LlamaCpp, model: Path, n: int, extra: tuple[str, ...] = ()) -> float | None:
+def ours_decode(llm, n: int, tag: str) -> float:
+    from wallbreaker.measure.workload import prompt_ids
+    from wallbreaker.sampling_params import SamplingParams
+    ids = prompt_ids(llm.tokenizer, 16, tag)
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+    return out.metrics["decode_tokens_per_s"]
+
+
+def their_rate(tool: LlamaCpp, model: Path, n: int, extra: tuple[str, ...] = (), decode: bool = False) -> float | None:
+    """`llama-bench`'s prefill tokens/s over n prompt tokens, or with `decode` its decode tokens/s of n tokens."""
     try:
-        return tool.bench(model, n, 0, extra=extra).get("prefill_tokens_per_s")
+        got = tool.bench(model, 0 if decode else n, n if decode else 0, extra=extra)
+        return got.get("decode_tokens_per_s" if decode else "prefill_tokens_per_s")
     except LlamaCppError as e:
         print(f"  {tool.directory}: {e}")
         return None
@@ -60,12 +70,14 @@ def main() -> None:
     ap.add_argument("--no-ik", action="store_true")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--one-pass", action="store_true", help="also time ours unchunked (see above)")
+    ap.add_argument("--decode-tokens", type=int, default=0,
+                    help="also batch-1 decode of this many tokens (`llama-bench -p 0 -n N`; ours after a 16-token prompt)")
     ap.add_argument("--json", type=Path, default=RESULTS / "prefill_long.json")
     args = ap.parse_args()
     from wallbreaker.llm import LLM
 
-    lengths = [int(t) for t in args.tokens.split(",")]
-    llm = LLM(str(args.model), max_model_len=max(lengths) + 64)
+    lengths = [int(t) for t in args.tokens.split(",") if t]
+    llm = LLM(str(args.model), max_model_len=max(lengths, default=2048) + 64)
     ours_rate(llm, 64, "warm-up")
     one_pass = None
     if args.one_pass:
@@ -75,8 +87,12 @@ def main() -> None:
     ik = None if args.no_ik else LlamaCpp(args.ik_llama_dir, args.threads)
     facts = machine_facts(args.threads)
     data = json.loads(args.json.read_text()) if args.json.exists() else {"runs": {}}
-    key = f"{args.name or args.model.stem} | {host_key(facts)} | {args.tokens}"
+    key = f"{args.name or args.model.stem} | {host_key(facts)} | {args.tokens}" + (" | decode" if args.decode_tokens else "")
     rows = {}
+    data["runs"][key] = {"model": args.name or args.model.stem, "machine": facts, "lengths": rows,
+                         "llama_cpp_dir": None if args.no_llama_cpp else args.llama_cpp_dir,
+                         "ik_llama_dir": None if args.no_ik else args.ik_llama_dir,
+                         "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     for n in lengths:
         n = min(n, llm.engine.max_model_len - 1)  # a model's context holds the prompt and one token to generate
         samples: dict[str, list[float]] = {"wallbreaker": [], "wallbreaker_one_pass": [], "llama.cpp": [],
@@ -103,6 +119,21 @@ def main() -> None:
                              "llama_cpp_dir": None if args.no_llama_cpp else args.llama_cpp_dir,
                              "ik_llama_dir": None if args.no_ik else args.ik_llama_dir, "lengths": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         write_json(args.json, data)  # after each length: a long run cut short keeps what it measured
+    if args.decode_tokens:
+        n, samples = args.decode_tokens, {"wallbreaker": [], "llama.cpp": [], "ik_llama.cpp": []}
+        for rep in range(args.runs):
+            samples["wallbreaker"].append(ours_decode(llm, n, f"decode {rep}"))
+            if llama is not None and (r := their_rate(llama, args.model, n, decode=True)) is not None:
+                samples["llama.cpp"].append(r)
+            if ik is not None:
+                best = [r for rtr in ("0", "1") if (r := their_rate(ik, args.model, n, ("-rtr", rtr), True)) is not None]
+                if best:
+                    samples["ik_llama.cpp"].append(max(best))
+        samples["wallbreaker"].append(ours_decode(llm, n, "decode last"))
+        med = {k: statistics.median(v) if v else None for k, v in samples.items()}
+        data["runs"][key]["decode"] = {"tokens": n, "samples": samples, "medians": med}
+        write_json(args.json, data)
+        print(f"decode {n}: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items() if v))
     print(markdown_table(["tokens", "ours tok/s", "llama.cpp", "ik_llama.cpp", "ours/llama.cpp", "ours/ik"],
                          [[n, r["medians"]["wallbreaker"], r["medians"]["llama.cpp"], r["medians"]["ik_llama.cpp"],
                            r["vs_llama_cpp"], r["vs_ik_llama_cpp"]] for n, r in rows.items()], digits=2))

@@ -16,7 +16,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from statistics import median
+from statistics import mean, median
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -331,6 +331,10 @@ def prefill_long(files: dict) -> list[str]:
                 chunked = r.get("chunked_ttft_over_one_pass")
                 cells.append(f"{int(n):,}: {r['medians']['wallbreaker']:,.1f} ({vs})"
                              + (f", chunked TTFT {chunked:.2f}x one pass's" if chunked else ""))
+            if "decode" in run:
+                med = run["decode"]["medians"]
+                vs = ", ".join(ratio(med["wallbreaker"], med[k]) if med.get(k) else "–" for k in ("llama.cpp", "ik_llama.cpp"))
+                cells.append(f"batch-1 decode of {run['decode']['tokens']}: {med['wallbreaker']:,.1f} ({vs})")
             lines.append(f"| {run['model']} | {host(run['machine'])} | {'; '.join(cells)} | {run['time'][:16].replace('T', ' ')} | "
                          f"{commit_of(run)} | {command_of(run)} | {link(name)} |")
     return lines
@@ -348,6 +352,18 @@ def prefill_gemm(files: dict) -> list[str]:
                                   f"({r[key + '_share_int8_peak'] * 100:.0f}%)" for r in run["rows"])
                 lines.append(f"- {link(name)}, {host(run['machine'])}, {label}, {run['rows'][0]['rows']} rows: GOP/s "
                              f"(share of the {run['int8_peak']} int8 peak): {cells}. Peaks, GOP/s: {peaks}.")
+    return lines
+
+
+def interleaved_prototype(files: dict) -> list[str]:
+    """One line per host: issue 49's interleaved Q8_0 tile, as a prototype, beside the engine's tiles."""
+    name = "interleaved_gemm_prototype.json"
+    lines = []
+    for run in files.get(name, {}).get("runs", {}).values():
+        cells = "; ".join(f"{r['level']} {r['shape'][0]}x{r['shape'][1]}: {mean(r['ours_gops']):,.0f} / "
+                          f"{r['prototype_gops']:,.0f} ({r['speedup']:.2f}x)" for r in run["rows"])
+        lines.append(f"- {link(name)}, {host(run['machine'])}: Q8_0, {run['rows'][0]['rows']} rows, GOP/s of the engine's "
+                     f"tiles / the prototype interleaved by block (`benchmarks/prototypes/`): {cells}.")
     return lines
 
 
@@ -569,7 +585,7 @@ def agent_turns(files: dict) -> list[str]:
 
 
 GENERATORS = {
-    "headline": headline, "speed": speed, "prefill_long": prefill_long, "prefill_gemm": prefill_gemm, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
+    "headline": headline, "speed": speed, "prefill_long": prefill_long, "prefill_gemm": prefill_gemm, "interleaved_prototype": interleaved_prototype, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
     "recurrent_step": recurrent_step, "lora_batch": lora_batch, "vision": vision, "arm_mca": arm_mca, "arm_engine": arm_engine, "ab_checkouts": ab_checkouts, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,
