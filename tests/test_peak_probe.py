@@ -1,8 +1,8 @@
 """csrc/peak_probe.cpp: the arithmetic peaks benchmarks/prefill_gemm.py judges the prefill GEMM by.
 
 A loop runs exactly where the CPU has its instruction (0 elsewhere, never a crash on an illegal
-instruction), and its rate is one a core can make: below one instruction a cycle at 6 GHz per
-thread, and not far below what one thread alone makes when two run."""
+instruction), and its rate is one a core can make: at most four of its instructions a cycle at
+6 GHz (no core issues more), and two threads make more than one alone."""
 from __future__ import annotations
 
 import platform
@@ -39,7 +39,7 @@ def test_a_loop_runs_where_the_cpu_has_its_instruction(kind):
     if HAS[kind] <= flags:
         if kind.startswith("amx") and rate == 0.0:
             pytest.skip("the kernel did not grant AMX's tile state")
-        assert 1e9 < rate < 2 * PRODUCTS_PER_INSTRUCTION[kind] * 6e9
+        assert 1e9 < rate < 2 * PRODUCTS_PER_INSTRUCTION[kind] * 4 * 6e9
     else:
         assert rate == 0.0
 
