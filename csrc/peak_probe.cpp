@@ -1,5 +1,5 @@
 // Tight loops of one multiply-accumulate instruction each, for the machine's arithmetic peaks that
-// the prefill GEMM is judged against (benchmarks/kernels.py --prefill): independent accumulators
+// the prefill GEMM is judged against (benchmarks/prefill_gemm.py): independent accumulators
 // in registers, no loads, so each loop runs at its instruction's throughput on one core.
 //
 //   vnni512   _mm512_dpbusd_epi32    u8 x s8, 64 products an instruction (AVX-512 VNNI)
@@ -9,7 +9,6 @@
 //
 // peak_ops runs one loop on `threads` threads at once and returns 2 x products / second (ops/s), the
 // best of `trials` runs of about `seconds` each. No torch header (ops.cpp binds it).
-#include <omp.h>
 #include <stdint.h>
 
 #include <algorithm>
@@ -217,7 +216,6 @@ double peak_ops(const std::string& kind, int64_t threads, double seconds, int64_
 }  // namespace wb
 
 #else
-#include <string>
 namespace wb {
 double peak_ops(const std::string&, int64_t, double, int64_t) { return 0.0; }
 }  // namespace wb
