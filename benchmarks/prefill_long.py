@@ -6,8 +6,8 @@ own chunking) and theirs through `llama-bench -p N -n 0`. ik_llama.cpp runs at `
 Order A/B/A per length: ours, llama.cpp, ik_llama.cpp (both -rtr), ... --runs times, then ours once
 more; medians. `--one-pass` also times ours with the whole prompt in one step (`max_num_batched_tokens`
 = the longest length, a second engine in the same process) beside the default chunks, for the cost
-of chunking (issue 49's item 2: a 16k prompt chunked within 15% of one pass). Results merge into --json keyed by model and host (machine facts, command, commit), so
-one file keeps a row per host.
+of chunking (issue 49's item 2: a 16k prompt chunked within 15% of one pass). Results merge into
+--json keyed by model and host (machine facts, command, commit), so one file keeps a row per host.
 
     .venv/bin/python benchmarks/prefill_long.py -m MODEL.gguf --tokens 512,2048,8192 \\
         --llama-cpp-dir DIR/bin --ik-llama-dir DIR/bin
@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 from wallbreaker.measure.baselines.llama_cpp import LlamaCpp, LlamaCppError
 from wallbreaker.measure.machine import machine_facts
@@ -58,6 +59,20 @@ def their_rate(tool: LlamaCpp, model: Path, n: int, extra: tuple[str, ...] = (),
         return None
 
 
+def interleaved(runs: int, ours: Callable[[str], float], theirs: dict[str, Callable[[str], float | None]]) -> dict:
+    """Samples and medians of ours and each baseline, A/B/A: `runs` rounds of ours then each of theirs,
+    then ours once more (a baseline that fails leaves its round out). Each call gets the round's tag,
+    so that a prompt of ours is never one its engine has cached."""
+    samples: dict[str, list[float]] = {"wallbreaker": [], **{name: [] for name in theirs}}
+    for rep in range(runs):
+        samples["wallbreaker"].append(ours(str(rep)))
+        for name, run in theirs.items():
+            if (r := run(str(rep))) is not None:
+                samples[name].append(r)
+    samples["wallbreaker"].append(ours("last"))
+    return {"samples": samples, "medians": {k: statistics.median(v) if v else None for k, v in samples.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", type=Path, required=True)
@@ -93,49 +108,39 @@ def main() -> None:
                          "llama_cpp_dir": None if args.no_llama_cpp else args.llama_cpp_dir,
                          "ik_llama_dir": None if args.no_ik else args.ik_llama_dir,
                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    def baselines(n: int, decode: bool = False) -> dict[str, Callable[[str], float | None]]:
+        out = {}
+        if llama is not None:
+            out["llama.cpp"] = lambda _: their_rate(llama, args.model, n, decode=decode)
+        if ik is not None:  # its best of run-time repacking off and on
+            out["ik_llama.cpp"] = lambda _: max((r for rtr in ("0", "1")
+                                               if (r := their_rate(ik, args.model, n, ("-rtr", rtr), decode)) is not None),
+                                              default=None)
+        return out
+
     for n in lengths:
         n = min(n, llm.engine.max_model_len - 1)  # a model's context holds the prompt and one token to generate
-        samples: dict[str, list[float]] = {"wallbreaker": [], "wallbreaker_one_pass": [], "llama.cpp": [],
-                                           "ik_llama.cpp": []}
-        for rep in range(args.runs):
-            samples["wallbreaker"].append(ours_rate(llm, n, f"prefill {n} {rep}"))
-            if one_pass is not None:
-                samples["wallbreaker_one_pass"].append(ours_rate(one_pass, n, f"one pass {n} {rep}"))
-            if llama is not None and (r := their_rate(llama, args.model, n)) is not None:
-                samples["llama.cpp"].append(r)
-            if ik is not None:
-                best = [r for rtr in ("0", "1") if (r := their_rate(ik, args.model, n, ("-rtr", rtr))) is not None]
-                if best:
-                    samples["ik_llama.cpp"].append(max(best))
-        samples["wallbreaker"].append(ours_rate(llm, n, f"prefill {n} last"))
-        med = {k: statistics.median(v) if v else None for k, v in samples.items()}
-        rows[str(n)] = {"samples": samples, "medians": med,
-                        "vs_llama_cpp": med["wallbreaker"] / med["llama.cpp"] if med["llama.cpp"] else None,
-                        "vs_ik_llama_cpp": med["wallbreaker"] / med["ik_llama.cpp"] if med["ik_llama.cpp"] else None,
-                        "chunked_ttft_over_one_pass": (med["wallbreaker_one_pass"] / med["wallbreaker"]
-                                                       if med["wallbreaker_one_pass"] else None)}
+        theirs = baselines(n)
+        if one_pass is not None:
+            theirs = {"wallbreaker_one_pass": lambda tag: ours_rate(one_pass, n, f"one pass {n} {tag}"), **theirs}
+        row = interleaved(args.runs, lambda tag: ours_rate(llm, n, f"prefill {n} {tag}"), theirs)
+        med = row["medians"]
+        row["vs_llama_cpp"] = med["wallbreaker"] / med["llama.cpp"] if med.get("llama.cpp") else None
+        row["vs_ik_llama_cpp"] = med["wallbreaker"] / med["ik_llama.cpp"] if med.get("ik_llama.cpp") else None
+        row["chunked_ttft_over_one_pass"] = (med["wallbreaker_one_pass"] / med["wallbreaker"]
+                                             if med.get("wallbreaker_one_pass") else None)
+        rows[str(n)] = row
         print(f"{n}: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items() if v))
-        data["runs"][key] = {"model": args.name or args.model.stem, "machine": facts,
-                             "llama_cpp_dir": None if args.no_llama_cpp else args.llama_cpp_dir,
-                             "ik_llama_dir": None if args.no_ik else args.ik_llama_dir, "lengths": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         write_json(args.json, data)  # after each length: a long run cut short keeps what it measured
     if args.decode_tokens:
-        n, samples = args.decode_tokens, {"wallbreaker": [], "llama.cpp": [], "ik_llama.cpp": []}
-        for rep in range(args.runs):
-            samples["wallbreaker"].append(ours_decode(llm, n, f"decode {rep}"))
-            if llama is not None and (r := their_rate(llama, args.model, n, decode=True)) is not None:
-                samples["llama.cpp"].append(r)
-            if ik is not None:
-                best = [r for rtr in ("0", "1") if (r := their_rate(ik, args.model, n, ("-rtr", rtr), True)) is not None]
-                if best:
-                    samples["ik_llama.cpp"].append(max(best))
-        samples["wallbreaker"].append(ours_decode(llm, n, "decode last"))
-        med = {k: statistics.median(v) if v else None for k, v in samples.items()}
-        data["runs"][key]["decode"] = {"tokens": n, "samples": samples, "medians": med}
+        n = args.decode_tokens
+        decode = interleaved(args.runs, lambda tag: ours_decode(llm, n, f"decode {tag}"), baselines(n, decode=True))
+        data["runs"][key]["decode"] = {"tokens": n, **decode}
         write_json(args.json, data)
-        print(f"decode {n}: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items() if v))
+        print(f"decode {n}: " + ", ".join(f"{k} {v:.1f}" for k, v in decode["medians"].items() if v))
     print(markdown_table(["tokens", "ours tok/s", "llama.cpp", "ik_llama.cpp", "ours/llama.cpp", "ours/ik"],
-                         [[n, r["medians"]["wallbreaker"], r["medians"]["llama.cpp"], r["medians"]["ik_llama.cpp"],
+                         [[n, r["medians"]["wallbreaker"], r["medians"].get("llama.cpp"), r["medians"].get("ik_llama.cpp"),
                            r["vs_llama_cpp"], r["vs_ik_llama_cpp"]] for n, r in rows.items()], digits=2))
 
 

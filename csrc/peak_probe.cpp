@@ -125,40 +125,32 @@ void load_config() {
   _tile_loadconfig(&c);
 }
 
-int64_t loop_amx_int8(int64_t iters) {
-  alignas(64) static thread_local int8_t buf[16 * 64];
-  load_config();
-  for (int t = 0; t < 8; t++) buf[t] = (int8_t)t;
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  _tile_loadd(4, buf, 64); _tile_loadd(5, buf, 64); _tile_loadd(6, buf, 64); _tile_loadd(7, buf, 64);
-  for (int64_t it = 0; it < iters; it++) {
-    _tile_dpbusd(0, 4, 6);
-    _tile_dpbusd(1, 4, 7);
-    _tile_dpbusd(2, 5, 6);
-    _tile_dpbusd(3, 5, 7);
-  }
-  alignas(64) static thread_local int32_t out[16 * 16];
-  _tile_stored(0, out, 64);
-  _tile_release();
-  return iters * 4 * 16 * 16 * 64;
-}
-
-int64_t loop_amx_bf16(int64_t iters) {
+// AMX-INT8 (`tdpbusd`, 64 bytes of K a row) or AMX-BF16 (`tdpbf16ps`, 32 values): four independent
+// products a turn into tiles 0-3, from tiles 4-7 loaded once (the tile numbers are immediates).
+template <bool Int8>
+int64_t loop_amx(int64_t iters) {
   alignas(64) static thread_local uint16_t buf[16 * 32];
+  alignas(64) static thread_local uint32_t out[16 * 16];
   load_config();
-  for (int t = 0; t < 16 * 32; t++) buf[t] = 0x3f80;  // 1.0
+  for (int t = 0; t < 16 * 32; t++) buf[t] = 0x3f80;  // 1.0 in bfloat16; any bytes do for int8
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   _tile_loadd(4, buf, 64); _tile_loadd(5, buf, 64); _tile_loadd(6, buf, 64); _tile_loadd(7, buf, 64);
   for (int64_t it = 0; it < iters; it++) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (Int8) {
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 4, 7);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
-  alignas(64) static thread_local float out[16 * 16];
   _tile_stored(0, out, 64);
   _tile_release();
-  return iters * 4 * 16 * 16 * 32;
+  return iters * 4 * 16 * 16 * (Int8 ? 64 : 32);
 }
 #pragma GCC pop_options
 
@@ -178,8 +170,8 @@ Loop loop_of(const std::string& kind) {
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") ? loop_vnni512 : nullptr;
   if (kind == "avx2") return __builtin_cpu_supports("avx2") ? loop_avx2 : nullptr;
   const bool amx_tile = cpuid_bit(7, 0, 3, 24);  // EDX bits of leaf 7: AMX-BF16 22, AMX-TILE 24, AMX-INT8 25
-  if (kind == "amx_int8") return amx_tile && cpuid_bit(7, 0, 3, 25) && amx_permitted() ? loop_amx_int8 : nullptr;
-  if (kind == "amx_bf16") return amx_tile && cpuid_bit(7, 0, 3, 22) && amx_permitted() ? loop_amx_bf16 : nullptr;
+  if (kind == "amx_int8") return amx_tile && cpuid_bit(7, 0, 3, 25) && amx_permitted() ? loop_amx<true> : nullptr;
+  if (kind == "amx_bf16") return amx_tile && cpuid_bit(7, 0, 3, 22) && amx_permitted() ? loop_amx<false> : nullptr;
   return nullptr;
 }
 
