@@ -3,8 +3,9 @@ of --rows activation rows (a prompt chunk) as a share of the int8 dot-product pe
 same run by a tight loop of the level's instruction (csrc/peak_probe.cpp: vpdpbusd at avx512,
 maddubs+madd at avx2), on the same threads.
 
-Both prompt paths are timed where they run: the integer tiles (`qmatmul`, every level) and, on a CPU
-with AMX, the dense path the prompt rows take there (`qmatmul_dense` in `PROMPT_ROWS`-row calls,
+Each prompt path is timed where it runs: the row tiles (`qmatmul`, every level), the prompt tiles
+(`qmatmul(..., prompt=True)`, where the level has them: the path prompt rows take on a CPU without
+AMX) and, on a CPU with AMX, the dense path the prompt rows take there (`qmatmul_dense` in `PROMPT_ROWS`-row calls,
 layers/linear.py), which is also put against the AMX-BF16 peak it runs on. Rates count 2 M N K
 operations a call.
 
@@ -79,6 +80,8 @@ def main() -> None:
             row = {"format": fmt, "shape": [n, k], "rows": args.rows,
                    "tiles_gops": rate(lambda: _C.qmatmul(x, [w], [q]), ops, args.repeats) / 1e9}
             row["tiles_share_int8_peak"] = row["tiles_gops"] * 1e9 / int8_peak if int8_peak else None
+            row["prompt_gops"] = rate(lambda: _C.qmatmul(x, [w], [q], True), ops, args.repeats) / 1e9
+            row["prompt_share_int8_peak"] = row["prompt_gops"] * 1e9 / int8_peak if int8_peak else None
             if dense:
                 row["dense_gops"] = rate(lambda: kernels.qmatmul_dense(x, [w], [q], PROMPT_ROWS), ops, args.repeats) / 1e9
                 row["dense_share_int8_peak"] = row["dense_gops"] * 1e9 / int8_peak if int8_peak else None
@@ -91,11 +94,11 @@ def main() -> None:
                          "int8_peak": PEAK_OF_LEVEL.get(level), "dense_path": dense, "rows": rows,
                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_json(args.json, data)
-    head = ["format", "shape", "tiles GOP/s", "share of int8 peak"]
+    head = ["format", "shape", "row tiles GOP/s", "share of int8 peak", "prompt tiles GOP/s", "share"]
     if dense:
         head += ["dense GOP/s", "share of int8 peak", "share of AMX-BF16 peak"]
     print(markdown_table(head, [[r["format"], f"{r['shape'][0]}x{r['shape'][1]}", r["tiles_gops"],
-                                 r["tiles_share_int8_peak"]] +
+                                 r["tiles_share_int8_peak"], r["prompt_gops"], r["prompt_share_int8_peak"]] +
                                 ([r["dense_gops"], r["dense_share_int8_peak"], r["dense_share_amx_bf16_peak"]]
                                  if dense else []) for r in rows], digits=2))
     print(f"wrote {args.json}")

@@ -610,7 +610,7 @@ template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 |
                                         QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;
 #include "tile_driver.inc"
 
-const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob};
+const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob, nullptr};
 
 }  // namespace
 }  // namespace wb

@@ -138,7 +138,7 @@ bool has(int qt) { return block_size_of(qt) != 0; }  // every format of the tabl
 bool set_knob(int, int, int) { return false; }  // one loop per format, no tiles to tune
 int knob(int, int) { return 0; }
 
-const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob};
+const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob, nullptr};
 
 }  // namespace
 }  // namespace wb

@@ -155,8 +155,9 @@ int64_t check_segments(const std::vector<torch::Tensor>& weights, const std::vec
 }
 
 // y[M, sum N_i] = x[M, K] @ concat_i(W_i)^T, W_i [N_i, row_bytes_i] uint8 GGUF blocks of qtypes[i].
+// prompt: the level's prompt tiles (Kernels::prefill) where it has them for the format.
 torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                      const std::vector<int64_t>& qtypes) {
+                      const std::vector<int64_t>& qtypes, bool prompt) {
   TORCH_CHECK(weights.size() == qtypes.size() && !weights.empty(), "qmatmul: one qtype per weight segment");
   TORCH_CHECK(x_in.dim() == 2, "qmatmul: x must be [M, K]");
   TORCH_CHECK(x_in.device().is_cpu(), "qmatmul: CPU tensors only");
@@ -225,18 +226,20 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
     for (size_t i = 0; i < weights.size(); i++) {
       const auto& w = weights[i];
       const int64_t rows = w.size(0), rb = w.size(1), seg_end = seg_start + rows * rb;
-      // rows of this segment whose first byte falls in [lo, hi), in multiples of 4
+      // rows of this segment whose first byte falls in [lo, hi), in multiples of a tile's weight rows
       auto row_at = [&](int64_t pos) {
         if (pos <= seg_start) return (int64_t)0;
         if (pos >= seg_end) return rows;
-        const int64_t r = round_up((pos - seg_start + rb - 1) / rb, 4);
+        const int64_t r = round_up((pos - seg_start + rb - 1) / rb, prompt ? 32 : 4);
         return r < rows ? r : rows;
       };
       const int64_t n0 = row_at(lo), n1 = row_at(hi);
       if (n1 > n0) {
         const bool own = level_has(k, qtypes[i]);  // else the generic level's kernel
         const wb::ActQ8* act = wb::block_size_of(qtypes[i]) == 256 ? &a256 : own ? &a32 : &a32g;
-        if (!(own ? k : generic)->matmul((int)qtypes[i], w.data_ptr<uint8_t>(), rb, n0, n1, K, act, M, op + col + n0, N))
+        const uint8_t* wp = w.data_ptr<uint8_t>();
+        if (!(own && prompt && k->prefill && k->prefill((int)qtypes[i], wp, rb, n0, n1, K, act, M, op + col + n0, N)) &&
+            !(own ? k : generic)->matmul((int)qtypes[i], wp, rb, n0, n1, K, act, M, op + col + n0, N))
           ok = false;
       }
       seg_start = seg_end;
@@ -403,7 +406,7 @@ double peak_ops(const std::string& kind, int64_t threads, double seconds, int64_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decoder_plan(m);
   m.def("qmatmul", &qmatmul, "y = x @ concat(W_i)^T over GGUF blocks", py::arg("x"), py::arg("weights"),
-        py::arg("qtypes"));
+        py::arg("qtypes"), py::arg("prompt") = false);
   m.def("qmatmul_dense", &qmatmul_dense, "qmatmul by bfloat16 tiles of decoded weights", py::arg("x"),
         py::arg("weights"), py::arg("qtypes"), py::arg("tile"), py::arg("chunk") = 0);
   m.def("dequant_bf16", &dequant_bf16, "rows [n0, n1) of GGUF blocks as bfloat16", py::arg("w"), py::arg("qtype"),

@@ -67,6 +67,11 @@ struct Kernels {
   // qtype (the generic level has none) or the value is not among the knob's choices.
   bool (*set_knob)(int qtype, int knob, int value);
   int (*knob)(int qtype, int knob);  // the value in use; 0 where the level has no tiles for qtype
+  // `matmul` for prompt rows (calls of many rows), through tiles that decode the weights once per
+  // call: every row reduced alike whatever the call holds, but not with `matmul`'s bits. nullptr
+  // where the level has none; false for a qtype it has none for (ops.cpp then runs `matmul`).
+  bool (*prefill)(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K,
+                  const ActQ8* act, int64_t M, float* out, int64_t ldo);
 };
 
 }  // namespace wb

@@ -8,7 +8,7 @@
 
 // ops.cpp
 torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                      const std::vector<int64_t>& qtypes);
+                      const std::vector<int64_t>& qtypes, bool prompt = false);
 torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                             const std::vector<int64_t>& qtypes, int64_t tile, int64_t chunk = 0);
 

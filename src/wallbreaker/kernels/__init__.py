@@ -2,9 +2,12 @@
 in GGUF block formats as stored, activations quantized to 8 bits once per call, integer dot
 products, float32 out. docs/kernels.md has the design and the measured figures.
 
-- `qmatmul(x, weights, qtypes)`: x [M, K] float32 or bfloat16; `weights` a list of segments, each a
-  uint8 tensor [N_i, row_bytes] in the kernels' row layout (`pack_rows`) with its GGML type in
-  `qtypes`; out [M, sum N_i] float32, the segments' columns side by side (fused q/k/v, gate/up).
+- `qmatmul(x, weights, qtypes, prompt=False)`: x [M, K] float32 or bfloat16; `weights` a list of
+  segments, each a uint8 tensor [N_i, row_bytes] in the kernels' row layout (`pack_rows`) with its GGML
+  type in `qtypes`; out [M, sum N_i] float32, the segments' columns side by side (fused q/k/v, gate/up).
+  `prompt`: through the prompt tiles where the level has them (avx512: weights decoded once per call
+  into rows interleaved 16 a vector, csrc/prefill_avx512.inc), for calls of many rows; each row's bits
+  are then the same in any call, but not the row tiles' (`QuantLinear` takes them from `PROMPT_MIN_ROWS`).
 - `qmatmul_reference`: the same product by dequantizing (formats.dequant) and a float matmul; the
   tests check the kernels against gguf's own dequantization.
 - `qmatmul_dense`: the same product for calls of many activation rows (prefill) on CPUs with AMX:
@@ -47,6 +50,8 @@ LEVELS = ("generic", "arm") if platform.machine().lower() in ("aarch64", "arm64"
 # 12 ms against 37); a tile of 1024 decoded rows was the fastest of 128-1024.
 DENSE_MIN_ROWS = 32
 DENSE_TILE_ROWS = 1024
+# From this many rows a call outside batch-invariant mode takes the prompt tiles (qmatmul's `prompt`).
+PROMPT_MIN_ROWS = 32
 _dense: bool | None = None
 
 
@@ -159,9 +164,10 @@ def unpack_rows(packed: torch.Tensor, qtype: T) -> torch.Tensor:
     return out
 
 
-def qmatmul(x: torch.Tensor, weights: Sequence[torch.Tensor], qtypes: Sequence[int]) -> torch.Tensor:
+def qmatmul(x: torch.Tensor, weights: Sequence[torch.Tensor], qtypes: Sequence[int],
+            prompt: bool = False) -> torch.Tensor:
     """x [M, K] @ concat(W_i)ᵀ -> [M, sum N_i] float32; see the module docstring."""
-    return _C.qmatmul(x, list(weights), [int(q) for q in qtypes])
+    return _C.qmatmul(x, list(weights), [int(q) for q in qtypes], prompt)
 
 
 def dequantize_packed(w: torch.Tensor, qtype: T, in_features: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ output bits do not depend on the other rows of the call. Two rules give that:
 - a row's path depends on the token, not on the call: the layers of a model's blocks share a
   `PromptRows` that the model sets each step (rows from `PromptRows.start` on are prompt tokens,
   models/base.py); prompt tokens take the fast prefill path (the dense path where the CPU has AMX,
-  `PROMPT_ROWS`-row float calls), generated tokens the decode path (integer tiles, `INVARIANT_ROWS`-row
+  else the prompt tiles, which reduce every row alike too; `PROMPT_ROWS`-row float calls), generated
+  tokens the decode path (the row tiles, `INVARIANT_ROWS`-row
   float calls), whether they come in a decode step, a speculative verification or a recompute after
   preemption. A layer without one (the output head, an expert of a mixture that sees some of the
   rows) takes the decode path for every row. A prompt of at most `SHORT_PROMPT` tokens takes the
@@ -133,13 +134,14 @@ class QuantLinear(DirectModule):
             if x2.shape[0] >= qk.DENSE_MIN_ROWS and qk.dense_path():  # prefill on a CPU with AMX
                 y = _qmatmul_dense(x2, self.blocks, self.qtypes, qk.DENSE_TILE_ROWS)
             else:
-                y = _qmatmul(x2, self.blocks, self.qtypes)
+                y = _qmatmul(x2, self.blocks, self.qtypes, x2.shape[0] >= qk.PROMPT_MIN_ROWS)
         else:
             split = _split(x2, self.prompt_rows)
-            if split == x2.shape[0] or not qk.dense_path():  # the integer tiles: every row alike
+            if split == x2.shape[0]:  # no prompt rows: the row tiles
                 y = _qmatmul(x2, self.blocks, self.qtypes)
-            else:
-                y = _qmatmul_dense(x2[split:], self.blocks, self.qtypes, qk.DENSE_TILE_ROWS, PROMPT_ROWS)
+            else:  # prompt rows: the dense path where it runs, else the prompt tiles (each row alike)
+                y = (_qmatmul_dense(x2[split:], self.blocks, self.qtypes, qk.DENSE_TILE_ROWS, PROMPT_ROWS)
+                     if qk.dense_path() else _qmatmul(x2[split:], self.blocks, self.qtypes, True))
                 if split:
                     y = torch.cat([_qmatmul(x2[:split], self.blocks, self.qtypes), y])
         rows = self.lora_rows
