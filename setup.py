@@ -33,7 +33,7 @@ setup(
              "csrc/kernels_arm.cpp", "csrc/dequant_avx512.cpp",
              "csrc/attention_ops.cpp", "csrc/attention_generic.cpp", "csrc/attention_avx2.cpp",
              "csrc/fused_ops.cpp", "csrc/recurrent_ops.cpp", "csrc/rwkv7_ops.cpp", "csrc/lora_ops.cpp",
-             "csrc/decoder_plan.cpp", "csrc/peak_probe.cpp"],
+             "csrc/decoder_plan.cpp", "csrc/peak_probe.cpp", "csrc/flash_prefill.cpp"],
             extra_compile_args=["-O3", *openmp, "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized",
                                 *([] if x86 else ["-ffp-contract=off"])],
             extra_link_args=openmp,

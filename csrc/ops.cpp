@@ -409,6 +409,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qtypes"), py::arg("prompt") = false);
   m.def("qmatmul_dense", &qmatmul_dense, "qmatmul by bfloat16 tiles of decoded weights", py::arg("x"),
         py::arg("weights"), py::arg("qtypes"), py::arg("tile"), py::arg("chunk") = 0);
+  m.def("flash_prefill", &flash_prefill, "a prompt chunk's attention over bfloat16 pages (flash_prefill.cpp)",
+        py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("slots"), py::arg("first"), py::arg("last"),
+        py::arg("scale"));
+  m.def("flash_prefill_supported", &flash_prefill_supported, "whether flash_prefill runs here (avx512 level, AVX-512 BF16)");
   m.def("dequant_bf16", &dequant_bf16, "rows [n0, n1) of GGUF blocks as bfloat16", py::arg("w"), py::arg("qtype"),
         py::arg("k"), py::arg("n0"), py::arg("n1"));
   m.def("peak_ops", &wb::peak_ops, "ops/s of one multiply-accumulate loop ('vnni512', 'avx2', 'amx_int8', "

@@ -12,6 +12,12 @@ torch::Tensor qmatmul(const torch::Tensor& x_in, const std::vector<torch::Tensor
 torch::Tensor qmatmul_dense(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                             const std::vector<int64_t>& qtypes, int64_t tile, int64_t chunk = 0);
 
+// flash_prefill.cpp
+bool flash_prefill_supported();
+torch::Tensor flash_prefill(const torch::Tensor& q_in, const torch::Tensor& k_pages, const torch::Tensor& v_pages,
+                            const torch::Tensor& slots, const torch::Tensor& first, const torch::Tensor& last,
+                            double scale);
+
 // attention_ops.cpp
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,

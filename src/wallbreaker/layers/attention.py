@@ -14,6 +14,7 @@ same bits whatever chunk, cache hit or neighbours its step has.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -99,7 +100,8 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale
     out = torch.empty_like(q)
     if n:
         out[:n] = _paged(q[:n], kv, meta, scale, sliding_window, softcap, sinks)
-    prefill = _prefill_invariant if meta.split_by_origin else _prefill
+    prefill = (_flash_prefill if _flash_runs(kv, softcap, sinks) else
+               _prefill_invariant if meta.split_by_origin else _prefill)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
         out[rows] = prefill(q[rows], kv, span, scale, sliding_window, meta.block_size, softcap, sinks)
@@ -172,6 +174,30 @@ def _gathered(pages: torch.Tensor, scales: torch.Tensor | None, slots: torch.Ten
 def _per_query_head(offset: torch.Tensor, heads: int) -> torch.Tensor:
     """[kv_heads, head_dim] -> [heads, head_dim]: each query head's KV head's offset."""
     return offset.repeat_interleave(heads // offset.shape[0], dim=0)
+
+
+def _flash_runs(kv: LayerKV, softcap, sinks) -> bool:
+    """Whether prefill spans go to our flash kernel (csrc/flash_prefill.cpp): bfloat16 pages without
+    scales, no soft cap or sinks, a CPU it runs on. Facts of the model and the machine, never of the
+    chunk, so a prompt token's path (and bits) do not depend on how it was chunked; the kernel computes
+    each query alike in any chunk, so it serves batch-invariant mode as it is.
+    `WALLBREAKER_FLASH_PREFILL=0` turns it off (SDPA, the A of an A/B)."""
+    return (os.environ.get("WALLBREAKER_FLASH_PREFILL", "1") != "0" and kv.k.dtype == torch.bfloat16
+            and kv.k_scale is None and softcap is None and sinks is None and _C.flash_prefill_supported())
+
+
+def _flash_prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None,
+                   sinks=None):
+    """The span's attention by `_C.flash_prefill`, each query given the keys it sees as one range:
+    up to itself, to the end of its image block (`bidirectional`), from its sliding window's start."""
+    ctx, length = span.context_len, span.length
+    slots = _slots(span.block_table[: -(-ctx // block_size)], block_size)[:ctx].long()
+    pos = torch.arange(ctx - length, ctx)
+    last = pos.clone()
+    for start, end in span.bidirectional:
+        last = torch.where((pos >= start) & (pos < end), pos.clamp(min=min(end, ctx) - 1), last)
+    first = (pos - sliding_window + 1).clamp(min=0) if sliding_window else torch.zeros_like(pos)
+    return _output(_C.flash_prefill(q, kv.k, kv.v, slots, first, last, scale), kv, q.shape[1])
 
 
 def _prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None, sinks=None):
