@@ -178,12 +178,13 @@ def _per_query_head(offset: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _flash_runs(kv: LayerKV, softcap, sinks) -> bool:
     """Whether prefill spans go to our flash kernel (csrc/flash_prefill.cpp): bfloat16 pages without
-    scales, no soft cap or sinks, a CPU it runs on. Facts of the model and the machine, never of the
+    scales, a head size of 32, 64, .. 256, no soft cap or sinks, a CPU it runs on. Facts of the model and the machine, never of the
     chunk, so a prompt token's path (and bits) do not depend on how it was chunked; the kernel computes
     each query alike in any chunk, so it serves batch-invariant mode as it is.
     `WALLBREAKER_FLASH_PREFILL=0` turns it off (SDPA, the A of an A/B)."""
     return (os.environ.get("WALLBREAKER_FLASH_PREFILL", "1") != "0" and kv.k.dtype == torch.bfloat16
-            and kv.k_scale is None and softcap is None and sinks is None and _C.flash_prefill_supported())
+            and kv.k_scale is None and kv.k.shape[-1] % 32 == 0 and kv.k.shape[-1] <= 256 and softcap is None
+            and sinks is None and _C.flash_prefill_supported())
 
 
 def _flash_prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None,
