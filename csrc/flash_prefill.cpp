@@ -224,7 +224,10 @@ torch::Tensor flash_prefill(const torch::Tensor& q_in, const torch::Tensor& k_pa
     Tile* t = (Tile*)aligned_alloc(64, sizeof(Tile));
     Rows rows;
     for (int64_t item = begin; item < end; item++) {
-      const int64_t h = item % KVH, i0 = item / KVH * kQueries, i1 = i0 + kQueries < L ? i0 + kQueries : L;
+      // tiles in the order 0, last, 1, last - 1, ..: a thread's contiguous share of the items holds
+      // early (short) and late (long) queries alike
+      const int64_t order = item / KVH, tile = order % 2 ? tiles - 1 - order / 2 : order / 2;
+      const int64_t h = item % KVH, i0 = tile * kQueries, i1 = i0 + kQueries < L ? i0 + kQueries : L;
       const int64_t n = (i1 - i0) * G;  // rows: query i0 + r / G, head h G + r % G
       rows.q.resize(n * D);
       rows.m.assign(n, -INFINITY);
