@@ -346,24 +346,13 @@ def prefill_gemm(files: dict) -> list[str]:
     for name in sorted(n for n in files if n.startswith("prefill_gemm")):
         for run in files[name]["runs"].values():
             peaks = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in run["peaks_ops_per_s"].items() if v)
-            paths = [("tiles", "integer tiles")] + ([("dense", "dense path (AMX-BF16)")] if run["dense_path"] else [])
+            paths = ([("tiles", "row tiles")] + [("prompt", "prompt tiles")] * ("prompt_gops" in run["rows"][0])
+                     + [("dense", "dense path (AMX-BF16)")] * run["dense_path"])
             for key, label in paths:
                 cells = "; ".join(f"{r['format']} {r['shape'][0]}x{r['shape'][1]} {r[key + '_gops']:,.0f} "
                                   f"({r[key + '_share_int8_peak'] * 100:.0f}%)" for r in run["rows"])
                 lines.append(f"- {link(name)}, {host(run['machine'])}, {label}, {run['rows'][0]['rows']} rows: GOP/s "
                              f"(share of the {run['int8_peak']} int8 peak): {cells}. Peaks, GOP/s: {peaks}.")
-    return lines
-
-
-def interleaved_prototype(files: dict) -> list[str]:
-    """One line per host: issue 49's interleaved Q8_0 tile, as a prototype, beside the engine's tiles."""
-    name = "interleaved_gemm_prototype.json"
-    lines = []
-    for run in files.get(name, {}).get("runs", {}).values():
-        cells = "; ".join(f"{r['level']} {r['shape'][0]}x{r['shape'][1]}: {mean(r['ours_gops']):,.0f} / "
-                          f"{r['prototype_gops']:,.0f} ({r['speedup']:.2f}x)" for r in run["rows"])
-        lines.append(f"- {link(name)}, {host(run['machine'])}: Q8_0, {run['rows'][0]['rows']} rows, GOP/s of the engine's "
-                     f"tiles / the prototype interleaved by block (`benchmarks/prototypes/`): {cells}.")
     return lines
 
 
@@ -585,7 +574,7 @@ def agent_turns(files: dict) -> list[str]:
 
 
 GENERATORS = {
-    "headline": headline, "speed": speed, "prefill_long": prefill_long, "prefill_gemm": prefill_gemm, "interleaved_prototype": interleaved_prototype, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
+    "headline": headline, "speed": speed, "prefill_long": prefill_long, "prefill_gemm": prefill_gemm, "batch_invariance": batch_invariance, "scale": scale, "kernels_rows1": kernels_rows1, "decode_step": decode_step,
     "recurrent_step": recurrent_step, "lora_batch": lora_batch, "vision": vision, "arm_mca": arm_mca, "arm_engine": arm_engine, "ab_checkouts": ab_checkouts, "roofline": roofline, "perplexity": perplexity, "kv_dtype": kv_dtype,
     "quality": quality, "tensor_parallel": tensor_parallel, "kv_waste": kv_waste, "prefix_disk": prefix_disk,
     "speculative": speculative, "structured": structured, "serving": serving, "load": load_table,
