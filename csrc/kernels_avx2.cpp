@@ -10,6 +10,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #pragma GCC push_options
@@ -550,8 +551,9 @@ constexpr int MT_B32 = 4, NT_B32 = 2, MT_K = 4, NT_K = 1, NT_M1 = 1, NT_M1_LONG 
 template <int QT> constexpr bool kHas = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 ||
                                         QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;
 #include "tile_driver.inc"
+#include "prefill_avx2.inc"
 
-const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob, nullptr};
+const Kernels kTable = {quantize32, quantize256, matmul, has, set_knob, knob, prefill};
 
 }  // namespace
 }  // namespace wb

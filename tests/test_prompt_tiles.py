@@ -1,6 +1,6 @@
-"""The prompt tiles (`qmatmul(..., prompt=True)`, csrc/prefill_avx512.inc) against gguf's own
-dequantization and a float64 matmul, with the bound of tests/test_kernels.py (they quantize the
-activations as the row tiles do); a prompt row's bits in any call and on any number of threads; and
+"""The prompt tiles (`qmatmul(..., prompt=True)`, csrc/prefill_avx512.inc, prefill_avx2.inc) against
+gguf's own dequantization and a float64 matmul, with the bound of tests/test_kernels.py (they quantize
+the activations as the row tiles do); a prompt row's bits in any call and on any number of threads; and
 `QuantLinear` giving prompt rows these tiles and generated rows the row tiles. At a level without
 prompt tiles the flag runs the row tiles, which these tests check the same way."""
 from __future__ import annotations

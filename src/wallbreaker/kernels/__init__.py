@@ -5,9 +5,10 @@ products, float32 out. docs/kernels.md has the design and the measured figures.
 - `qmatmul(x, weights, qtypes, prompt=False)`: x [M, K] float32 or bfloat16; `weights` a list of
   segments, each a uint8 tensor [N_i, row_bytes] in the kernels' row layout (`pack_rows`) with its GGML
   type in `qtypes`; out [M, sum N_i] float32, the segments' columns side by side (fused q/k/v, gate/up).
-  `prompt`: through the prompt tiles where the level has them (avx512: weights decoded once per call
-  into rows interleaved 16 a vector, csrc/prefill_avx512.inc), for calls of many rows; each row's bits
-  are then the same in any call, but not the row tiles' (`QuantLinear` takes them from `PROMPT_MIN_ROWS`).
+  `prompt`: through the prompt tiles where the level has them (avx512 and avx2: weights decoded once
+  per call into rows interleaved 16 (avx2: 8) a vector, csrc/prefill_avx512.inc, prefill_avx2.inc), for
+  calls of many rows; each row's bits are then the same in any call, but not the row tiles'
+  (`QuantLinear` takes them from `PROMPT_MIN_ROWS`).
 - `qmatmul_reference`: the same product by dequantizing (formats.dequant) and a float matmul; the
   tests check the kernels against gguf's own dequantization.
 - `qmatmul_dense`: the same product for calls of many activation rows (prefill) on CPUs with AMX:
