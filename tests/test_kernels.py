@@ -248,7 +248,8 @@ def test_qmatmul_dense_matches_the_float_product(qtype):
 
 @dense
 def test_quant_linear_takes_the_dense_path_from_its_row_threshold(monkeypatch):
-    """Below DENSE_MIN_ROWS the integer kernels (bit for bit qmatmul), from it the dense path."""
+    """Below DENSE_MIN_ROWS the row tiles (bit for bit qmatmul), from it the dense path, or where it
+    does not run the prompt tiles (PROMPT_MIN_ROWS is the same 32 rows)."""
     raw = random_blocks(T.Q4_K, 48, 512, seed=2)
     layer = QuantLinear([(kernels.pack_rows(torch.from_numpy(raw), T.Q4_K), int(T.Q4_K))], 512)
     monkeypatch.setattr(kernels, "_dense", True)
@@ -257,7 +258,8 @@ def test_quant_linear_takes_the_dense_path_from_its_row_threshold(monkeypatch):
     assert torch.equal(layer(few), kernels.qmatmul(few, layer.blocks, layer.qtypes))
     assert torch.equal(layer(many), kernels.qmatmul_dense(many, layer.blocks, layer.qtypes))
     monkeypatch.setattr(kernels, "_dense", False)
-    assert torch.equal(layer(many), kernels.qmatmul(many, layer.blocks, layer.qtypes))
+    assert kernels.PROMPT_MIN_ROWS == n
+    assert torch.equal(layer(many), kernels.qmatmul(many, layer.blocks, layer.qtypes, prompt=True))
 
 
 def test_dense_switch_is_checked(monkeypatch):
