@@ -348,11 +348,11 @@ def prefill_gemm(files: dict) -> list[str]:
             peaks = ", ".join(f"{k} {v / 1e9:,.0f}" for k, v in run["peaks_ops_per_s"].items() if v)
             paths = ([("tiles", "row tiles")] + [("prompt", "prompt tiles")] * ("prompt_gops" in run["rows"][0])
                      + [("dense", "dense path (AMX-BF16)")] * run["dense_path"])
-            for key, label in paths:
-                cells = "; ".join(f"{r['format']} {r['shape'][0]}x{r['shape'][1]} {r[key + '_gops']:,.0f} "
-                                  f"({r[key + '_share_int8_peak'] * 100:.0f}%)" for r in run["rows"])
-                lines.append(f"- {link(name)}, {host(run['machine'])}, {label}, {run['rows'][0]['rows']} rows: GOP/s "
-                             f"(share of the {run['int8_peak']} int8 peak): {cells}. Peaks, GOP/s: {peaks}.")
+            cells = "; ".join(f"{r['format']} {r['shape'][0]}x{r['shape'][1]} " + " / ".join(
+                f"{r[key + '_gops']:,.0f} ({r[key + '_share_int8_peak'] * 100:.0f}%)" for key, _ in paths) for r in run["rows"])
+            lines.append(f"- {link(name)}, {host(run['machine'])}, {run['rows'][0]['rows']} rows, GOP/s (share of the "
+                         f"{run['int8_peak']} int8 peak) of the {' / '.join(label for _, label in paths)}: {cells}. "
+                         f"Peaks, GOP/s: {peaks}.")
     return lines
 
 
