@@ -434,7 +434,7 @@ def lora_batch(files: dict) -> list[str]:
 
 
 def ab_checkouts(files: dict) -> list[str]:
-    """One line per file: two checkouts' `wallbreaker bench` medians on one host and B / A."""
+    """One paragraph, a sentence per file: two checkouts' `wallbreaker bench` medians on one host and B / A."""
     labels = {"prefill_tps": "prefill", "decode_tps": "decode", "decode_tps@16": "16 sequences"}
     out = []
     for name in sorted(n for n in files if n.startswith("ab_checkouts_")):
@@ -444,7 +444,7 @@ def ab_checkouts(files: dict) -> list[str]:
         out.append(f"{link(name)}: {d['model']}, kernels {d['isa']}, A {d['commits']['A']} / B {d['commits']['B']} "
                    f"(A/B/A, {len(d['runs']['B'])} rounds), tokens/s A / B (B / A): {parts}; {host(machine_of(d))}; "
                    f"{command_of(d)}.")
-    return out
+    return [" ".join(out)] if out else []
 
 
 def vision(files: dict) -> list[str]:
