@@ -49,28 +49,10 @@ WB_FLASH_TARGET inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 16 rows of 16 dwords (v[r]: row r) to v[e] = dword e of rows 0..15 (as csrc/prefill_avx512.inc).
-WB_FLASH_TARGET inline void transpose16(__m512i (&v)[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; i++) {
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; c++) {
-    const __m512i p = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), q = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i r = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), s = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    v[c] = _mm512_shuffle_i32x4(p, r, 0x88);
-    v[4 + c] = _mm512_shuffle_i32x4(p, r, 0xDD);
-    v[8 + c] = _mm512_shuffle_i32x4(q, s, 0x88);
-    v[12 + c] = _mm512_shuffle_i32x4(q, s, 0xDD);
-  }
-}
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#include "transpose16.inc"
+#pragma GCC pop_options
 
 struct Tile {
   // the block's K as [D / 2][kKeys][2] and V as [kKeys / 2][D][2] (pairs of keys), bfloat16
