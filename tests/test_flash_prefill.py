@@ -86,10 +86,12 @@ def test_a_query_gets_the_same_bits_in_any_chunk_and_on_any_threads():
 
 
 def test_the_layer_takes_it_for_bfloat16_pages_and_matches_sdpa(monkeypatch):
-    """`_flash_runs` picks the kernel for plain bfloat16 pages of a head size it takes, not with a soft
-    cap, sinks, scales, or where switched off; its span output is SDPA's within the rounding above."""
+    """`_flash_runs` picks the kernel for plain bfloat16 pages of a head size it takes (switched on: the
+    default without AMX), not with a soft cap, sinks, scales, or where switched off; its span output is
+    SDPA's within the rounding above."""
     k, v = pages(2, 64, 64, seed=5)
     kv = LayerKV(k, v, None, None, None, None)
+    monkeypatch.setenv("WALLBREAKER_FLASH_PREFILL", "1")  # also on a CPU with AMX, where the default is SDPA
     assert _flash_runs(kv, None, None)
     assert not _flash_runs(kv, 50.0, None) and not _flash_runs(kv, None, torch.zeros(4))
     assert not _flash_runs(LayerKV(k[..., :48].contiguous(), v[..., :48].contiguous(), None, None, None, None), None, None)

@@ -14,6 +14,7 @@ same bits whatever chunk, cache hit or neighbours its step has.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -178,13 +179,22 @@ def _per_query_head(offset: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _flash_runs(kv: LayerKV, softcap, sinks) -> bool:
     """Whether prefill spans go to our flash kernel (csrc/flash_prefill.cpp): bfloat16 pages without
-    scales, a head size of 32, 64, .. 256, no soft cap or sinks, a CPU it runs on. Facts of the model and the machine, never of the
-    chunk, so a prompt token's path (and bits) do not depend on how it was chunked; the kernel computes
-    each query alike in any chunk, so it serves batch-invariant mode as it is.
-    `WALLBREAKER_FLASH_PREFILL=0` turns it off (SDPA, the A of an A/B)."""
-    return (os.environ.get("WALLBREAKER_FLASH_PREFILL", "1") != "0" and kv.k.dtype == torch.bfloat16
-            and kv.k_scale is None and kv.k.shape[-1] % 32 == 0 and kv.k.shape[-1] <= 256 and softcap is None
-            and sinks is None and _C.flash_prefill_supported())
+    scales, a head size of 32, 64, .. 256, no soft cap or sinks, a CPU it runs on without AMX (there
+    SDPA's bfloat16 kernel has AMX's tiles, and ours was not measured beside it). Facts of the model
+    and the machine, never of the chunk, so a prompt token's path (and bits) do not depend on how it
+    was chunked; the kernel computes each query alike in any chunk, so it serves batch-invariant mode
+    as it is. `WALLBREAKER_FLASH_PREFILL=0` turns it off (SDPA, the A of an A/B), `=1` on wherever the
+    CPU runs it."""
+    wanted = os.environ.get("WALLBREAKER_FLASH_PREFILL", "")
+    return (wanted != "0" and kv.k.dtype == torch.bfloat16 and kv.k_scale is None and kv.k.shape[-1] % 32 == 0
+            and kv.k.shape[-1] <= 256 and softcap is None and sinks is None and _C.flash_prefill_supported()
+            and (wanted == "1" or not _amx_here()))
+
+
+@functools.cache
+def _amx_here() -> bool:
+    from ..kernels import _amx
+    return _amx()
 
 
 def _flash_prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None,
