@@ -37,7 +37,7 @@ setup(
             extra_compile_args=["-O3", *openmp, "-fno-math-errno", "-Wno-uninitialized", "-Wno-maybe-uninitialized",
                                 *([] if x86 else ["-ffp-contract=off"])],
             extra_link_args=openmp,
-            depends=["csrc/qkernels.h", "csrc/qformats.h", "csrc/qblocks.inc", "csrc/tile_driver.inc", "csrc/prefill_avx512.inc", "csrc/transpose16.inc",
+            depends=["csrc/qkernels.h", "csrc/qformats.h", "csrc/qblocks.inc", "csrc/tile_driver.inc", "csrc/prefill_avx512.inc", "csrc/transpose16.inc", "csrc/prompt_driver.inc",
                      "csrc/prefill_avx2.inc",
                      "csrc/kscales_avx2.inc", "csrc/tuning.inc", "csrc/torch_ops.h", "csrc/attention.h", "csrc/attention_impl.inc",
                      "csrc/fp8.h", "csrc/vec_math.h"],
