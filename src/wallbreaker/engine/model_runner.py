@@ -1,6 +1,7 @@
 """Runs one scheduled batch through the model: flat token list in, logits of the sampling rows out."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import OrderedDict
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _C
 from ..kv import KVCache
 from ..kv.state_pool import StatePool
 from ..layers.attention import MAX_PAGED_QUERIES, AttentionMetadata, PrefillSpan
@@ -20,6 +22,10 @@ from .sequence import Sequence
 # the encoder outputs the runner keeps, in bytes: 32 images of Gemma 3 4B (2.6 MB each), or some 580
 # tiles of SmolVLM-256M (64 x 576 floats, 147 KB each; an image is up to 17 of them)
 ENCODER_CACHE_BYTES = 32 * 256 * 2560 * 4
+
+# freed allocations under this size stay with malloc for the next step (`_C.retain_freed_memory`):
+# a 2,048-token chunk of an 8B model's MLP is some 240 MB of activations
+RETAINED_ALLOCATION_BYTES = 1 << 30
 
 
 @dataclass
@@ -75,6 +81,8 @@ class ModelRunner:
                 "the model's recurrent layers keep other states than its config accounts for"
             for i, mixer in enumerate(mixers):
                 mixer.state = states.layer(i)
+        if os.environ.get("WALLBREAKER_RETAIN_FREED_MEMORY", "1") != "0":
+            _C.retain_freed_memory(RETAINED_ALLOCATION_BYTES)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[list[Sequence], torch.Tensor]:
