@@ -27,6 +27,7 @@ import torch
 
 from wallbreaker import _C, kernels
 from wallbreaker.formats.dequant import block_info
+from wallbreaker.engine.model_runner import retain_freed_memory
 from wallbreaker.kernels import tuning
 from wallbreaker.layers.linear import PROMPT_ROWS
 from wallbreaker.measure.machine import machine_facts, timed
@@ -66,6 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tuning.apply()
+    retained = retain_freed_memory()  # as an engine runs its steps (engine/model_runner.py)
     level = kernels.isa()
     peak = peaks(args.threads)
     int8_peak = peak.get(PEAK_OF_LEVEL.get(level, ""), 0.0)
@@ -91,7 +93,7 @@ def main() -> None:
     key = f"{facts['cpu_id'].split(' L1d')[0]} {level} t{args.threads}"
     data = json.loads(args.json.read_text()) if args.json.exists() else {"runs": {}}
     data["runs"][key] = {"machine": facts, "level": level, "threads": args.threads, "peaks_ops_per_s": peak,
-                         "int8_peak": PEAK_OF_LEVEL.get(level), "dense_path": dense, "rows": rows,
+                         "int8_peak": PEAK_OF_LEVEL.get(level), "dense_path": dense, "retained_freed_memory": retained, "rows": rows,
                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_json(args.json, data)
     head = ["format", "shape", "row tiles GOP/s", "share of int8 peak", "prompt tiles GOP/s", "share"]

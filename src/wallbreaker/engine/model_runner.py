@@ -28,6 +28,13 @@ ENCODER_CACHE_BYTES = 32 * 256 * 2560 * 4
 RETAINED_ALLOCATION_BYTES = 1 << 30
 
 
+def retain_freed_memory() -> bool:
+    """From now on malloc keeps what a step frees for the next one (csrc/ops.cpp says why), unless
+    `WALLBREAKER_RETAIN_FREED_MEMORY=0`; whether it does. Every ModelRunner calls it once its model
+    is loaded; benchmarks of the kernels call it to time them as the engine runs them."""
+    return os.environ.get("WALLBREAKER_RETAIN_FREED_MEMORY", "1") != "0" and _C.retain_freed_memory(RETAINED_ALLOCATION_BYTES)
+
+
 @dataclass
 class StepInputs:
     """All one model step reads besides the weights and the KV pool (what rank 0 broadcasts to the
@@ -81,8 +88,7 @@ class ModelRunner:
                 "the model's recurrent layers keep other states than its config accounts for"
             for i, mixer in enumerate(mixers):
                 mixer.state = states.layer(i)
-        if os.environ.get("WALLBREAKER_RETAIN_FREED_MEMORY", "1") != "0":
-            _C.retain_freed_memory(RETAINED_ALLOCATION_BYTES)
+        retain_freed_memory()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[list[Sequence], torch.Tensor]:
