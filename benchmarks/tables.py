@@ -357,15 +357,17 @@ def prefill_gemm(files: dict) -> list[str]:
 
 
 def decode_step(files: dict) -> list[str]:
-    lines = ["| host | C++ decoder plan | runs | outside our kernels | tokens/s under perf | commit | command | file |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in ("decode_step_profile.json", "decode_step_profile_zen4.json"):
+    """One row a host: the share outside our kernels and the speed with the C++ decoder plan and without."""
+    lines = ["| host | runs, plan on / off | outside our kernels, on / off | tokens/s under perf, on / off | commit | command | file |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name in ("decode_step_profile.json", "decode_step_profile_zen4.json", "decode_step_profile_zen5.json"):
         d = files[name]
-        for plan in (True, False):
-            runs = [r for r in d["runs"] if r["decoder_plan"] == plan]
-            outside, speed = sorted(r["outside_percent"] for r in runs), sorted(r["tokens_per_s"] for r in runs)
-            lines.append(f"| {host(d['machine'])} | {'on' if plan else 'off'} | {len(runs)} | {outside[0]:.1f}-{outside[-1]:.1f}% | "
-                         f"{speed[0]:.1f}-{speed[-1]:.1f} | {commit_of(d)} | {command_of(d)} | {link(name)} |")
+        runs = {plan: [r for r in d["runs"] if r["decoder_plan"] == plan] for plan in (True, False)}
+
+        def span(key: str, unit: str = "") -> str:
+            return " / ".join(f"{min(r[key] for r in rs):.1f}-{max(r[key] for r in rs):.1f}{unit}" for rs in runs.values())
+        lines.append(f"| {host(d['machine'])} | {len(runs[True])} / {len(runs[False])} | {span('outside_percent', '%')} | "
+                     f"{span('tokens_per_s')} | {commit_of(d)} | {command_of(d)} | {link(name)} |")
     return lines
 
 
