@@ -70,7 +70,9 @@ def dense_path() -> bool:
     return _dense
 
 
+@functools.cache
 def _amx() -> bool:
+    """Whether PyTorch can use AMX here (a fact of the machine and the process: asked once)."""
     try:
         return bool(torch._C._cpu._init_amx())  # asks the kernel for AMX's state, as oneDNN will
     except AttributeError:

@@ -14,7 +14,6 @@ same bits whatever chunk, cache hit or neighbours its step has.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -185,16 +184,11 @@ def _flash_runs(kv: LayerKV, softcap, sinks) -> bool:
     was chunked; the kernel computes each query alike in any chunk, so it serves batch-invariant mode
     as it is. `WALLBREAKER_FLASH_PREFILL=0` turns it off (SDPA, the A of an A/B), `=1` on wherever the
     CPU runs it."""
+    from ..kernels import _amx
     wanted = os.environ.get("WALLBREAKER_FLASH_PREFILL", "")
     return (wanted != "0" and kv.k.dtype == torch.bfloat16 and kv.k_scale is None and kv.k.shape[-1] % 32 == 0
             and kv.k.shape[-1] <= 256 and softcap is None and sinks is None and _C.flash_prefill_supported()
-            and (wanted == "1" or not _amx_here()))
-
-
-@functools.cache
-def _amx_here() -> bool:
-    from ..kernels import _amx
-    return _amx()
+            and (wanted == "1" or not _amx()))
 
 
 def _flash_prefill(q, kv: LayerKV, span: PrefillSpan, scale, sliding_window, block_size: int, softcap=None,
